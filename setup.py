@@ -1,0 +1,44 @@
+"""Packaging for lowrank_attn.
+
+The version ranges are the ones our CI tests (Python 3.11, CPU). `pip install -e '.[dev]'`
+gives everything the tests need; `[analysis]` adds what the paper reproductions read
+(tensor decompositions, pretrained weights, plots); `[tpu]` swaps in TPU jaxlib.
+"""
+
+import setuptools
+
+setuptools.setup(
+    name="lowrank_attn",
+    version="0.1.0",
+    description=(
+        "What multi-head attention really needs: low-rank bottleneck, collaborative "
+        "and gated attention kernels, models and training in JAX/Flax NNX."
+    ),
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["lowrank_attn", "lowrank_attn.*"]),
+    install_requires=[
+        "jax>=0.10.0,<0.11",
+        "flax>=0.12.0,<0.13",
+        "optax>=0.2.5,<0.3",
+        "orbax-checkpoint>=0.12.0,<0.13",
+        "ml-collections>=1.1,<2",
+        "tensorflow-datasets>=4.9.10,<5",
+        "grain>=0.2.12,<0.3",
+        "array-record>=0.8,<0.9",
+        "absl-py>=2.1",
+        "numpy>=2.0",
+        "sentencepiece>=0.2,<0.3",
+        "sacrebleu>=2.4,<3",
+        "tensorboard>=2.18,<3",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis>=6.100"],
+        "analysis": [
+            "tensorly>=0.9,<0.11",
+            "safetensors>=0.4",
+            "tokenizers>=0.20",
+            "matplotlib>=3.8",
+        ],
+        "tpu": ["jax[tpu]>=0.10.0,<0.11"],
+    },
+)
