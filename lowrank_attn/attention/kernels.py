@@ -1,0 +1,294 @@
+"""Multi-head attention of every kind, as one pure function of a parameter dict.
+
+    out = multi_head_attention(params, x, spec=spec, mask=mask).out
+
+The kinds differ only in how they project inputs and compute per-head logits
+(`project` + `logits`); masking, softmax, dropout, the weighted sum, head gates/masks and the
+output projection are shared. Shapes: inputs `[batch..., length, features]`; per-head queries
+and keys `[batch..., length, heads, head_dim]`; collaborative shared queries and keys
+`[batch..., length, key_dim]`; logits and weights `[batch..., heads, q_length, kv_length]`.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lowrank_attn.attention import core
+from lowrank_attn.attention.spec import AttentionSpec
+
+Array = jax.Array
+Params = dict[str, Array]
+
+
+class AttentionOutput(NamedTuple):
+  out: Array  # [batch..., q_length, out_features]
+  weights: Array | None  # [batch..., heads, q_length, kv_length] float32, if requested
+  cache: dict[str, Array] | None  # the updated decoding cache, if one was given
+
+
+# --------------------------------------------------------------------------- logits per kind
+
+
+def dot_product_logits(query: Array, key: Array, scale: float, precision=None) -> Array:
+  """`[..., q, h, d]` x `[..., k, h_kv, d]` -> float32 `[..., h, q, k]` (h_kv divides h)."""
+  heads, kv_heads = query.shape[-2], key.shape[-2]
+  query = query * jnp.asarray(scale, query.dtype)  # scaling q is cheaper than the logits
+  if heads == kv_heads:
+    return jnp.einsum('...qhd,...khd->...hqk', query, key, precision=precision,
+                      preferred_element_type=jnp.float32)
+  grouped = query.reshape(*query.shape[:-2], kv_heads, heads // kv_heads, query.shape[-1])
+  logits = jnp.einsum('...qhgd,...khd->...hgqk', grouped, key, precision=precision,
+                      preferred_element_type=jnp.float32)
+  return logits.reshape(*logits.shape[:-4], heads, *logits.shape[-2:])
+
+
+def collaborative_logits(query: Array, key: Array, mixing: Array, scale: float,
+                         content_bias: Array | None = None, precision=None) -> Array:
+  """Head i: `scale * ((Q diag(m_i)) K^T + 1 (X_k c_i)^T)` (Cordonnier et al. 2020, eq. 7).
+
+  query `[..., q, key_dim]` and key `[..., k, key_dim]` are shared by all heads, mixing is
+  `[heads, key_dim]`, content_bias `[..., k, heads]` holds x_k . c_i. Returns float32
+  `[..., heads, q, k]`.
+  """
+  mixed = query[..., :, None, :] * (mixing * scale).astype(query.dtype)  # [..., q, h, key_dim]
+  logits = jnp.einsum('...qhd,...kd->...hqk', mixed, key, precision=precision,
+                      preferred_element_type=jnp.float32)
+  if content_bias is not None:
+    bias = jnp.swapaxes(content_bias, -1, -2).astype(jnp.float32) * scale  # [..., h, k]
+    logits = logits + bias[..., :, None, :]
+  return logits
+
+
+def mix_heads(x: Array, mixing: Array, precision=None) -> Array:
+  """Talking heads: `out[g] = sum_h x[h] mixing[h, g]` over `[..., heads, q, k]` (Shazeer eq. 3)."""
+  return jnp.einsum('...hqk,hg->...gqk', x, mixing.astype(x.dtype), precision=precision)
+
+
+# --------------------------------------------------------------------------- projections
+
+
+def _layer_norm(x: Array, scale: Array, epsilon: float = 1e-6) -> Array:
+  x32 = x.astype(jnp.float32)
+  mean = jnp.mean(x32, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+  return ((x32 - mean) * jax.lax.rsqrt(var + epsilon) * scale).astype(x.dtype)
+
+
+def _dense(x: Array, kernel: Array, bias: Array | None, precision) -> Array:
+  """Contract the last axis of x with the first of kernel (of any rank)."""
+  y = jnp.tensordot(x, kernel, axes=(x.ndim - 1, 0), precision=precision)
+  return y if bias is None else y + bias
+
+
+def project(params: Params, spec: AttentionSpec, inputs_q: Array, inputs_k: Array,
+            inputs_v: Array, precision=None) -> tuple[Array, Array, Array, Array | None]:
+  """Queries, keys, values and (collaborative) key-content bias, in the inputs' dtype."""
+  p = params.get
+  value = _dense(inputs_v, p('value_kernel'), p('value_bias'), precision)
+  if spec.is_dot_product:
+    query = _dense(inputs_q, p('query_kernel'), p('query_bias'), precision)
+    key = _dense(inputs_k, p('key_kernel'), p('key_bias'), precision)
+    if spec.normalize_qk:
+      query = _layer_norm(query, p('query_ln_scale'))
+      key = _layer_norm(key, p('key_ln_scale'))
+    return query, key, value, None
+  query = _dense(inputs_q, p('query_kernel'), None, precision)
+  key = _dense(inputs_k, p('key_kernel'), None, precision)
+  content_bias = None
+  if spec.use_bias:
+    content_bias = _dense(inputs_k, p('content_bias'), None, precision)
+  return query, key, value, content_bias
+
+
+def logits(params: Params, spec: AttentionSpec, query: Array, key: Array,
+           content_bias: Array | None, precision=None) -> Array:
+  """Per-head logits of `spec.kind`, float32 `[..., heads, q, k]`, before masking."""
+  if spec.kind == 'collaborative':
+    return collaborative_logits(query, key, params['mixing'], spec.logit_scale, content_bias,
+                                precision)
+  result = dot_product_logits(query, key, spec.logit_scale, precision)
+  if spec.kind == 'talking_heads':
+    result = mix_heads(result, params['pre_softmax_mixing'], precision)
+  return result
+
+
+# --------------------------------------------------------------------------- decoding cache
+
+
+def init_cache(spec: AttentionSpec, batch_shape: tuple[int, ...], max_length: int,
+               dtype=jnp.float32) -> dict[str, Array]:
+  """An empty autoregressive cache: projected keys/values of up to `max_length` positions.
+
+  Collaborative layers cache one shared key of width key_dim per position instead of
+  num_heads keys of width head_dim, plus the per-head key-content bias.
+  """
+  batch_shape = tuple(batch_shape)
+  h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+  if spec.is_dot_product:
+    cache = {'key': jnp.zeros((*batch_shape, max_length, hkv, d), dtype),
+             'value': jnp.zeros((*batch_shape, max_length, hkv, d), dtype)}
+  else:
+    cache = {'key': jnp.zeros((*batch_shape, max_length, spec.key_dim), dtype),
+             'value': jnp.zeros((*batch_shape, max_length, h, d), dtype)}
+    if spec.use_bias:
+      cache['content_bias'] = jnp.zeros((*batch_shape, max_length, h), dtype)
+  cache['index'] = jnp.zeros((), jnp.int32)
+  return cache
+
+
+def _append_to_cache(cache, key, value, content_bias, length_axis):
+  """Write this step's keys/values at `cache['index']`; return the cache and all keys/values."""
+  index = cache['index']
+  write = lambda buffer, new: jax.lax.dynamic_update_slice_in_dim(
+      buffer, new.astype(buffer.dtype), index, axis=length_axis)
+  new_cache = {'key': write(cache['key'], key), 'value': write(cache['value'], value),
+               'index': index + key.shape[length_axis]}
+  if content_bias is not None:
+    new_cache['content_bias'] = write(cache['content_bias'], content_bias)
+  return new_cache
+
+
+# --------------------------------------------------------------------------- the layer function
+
+
+def _check_inputs(params, spec, inputs_q, inputs_k, inputs_v, cache):
+  expected = spec.param_shapes()
+  missing = sorted(set(expected) - set(params))
+  unexpected = sorted(set(params) - set(expected))
+  if missing or unexpected:
+    raise ValueError(f'params do not match the spec (kind={spec.kind!r}): missing {missing}, '
+                     f'unexpected {unexpected}.')
+  for name, shape in expected.items():
+    if tuple(params[name].shape) != shape:
+      raise ValueError(f"params['{name}'] has shape {tuple(params[name].shape)}, "
+                       f'expected {shape} for {spec}.')
+  if inputs_q.ndim < 2:
+    raise ValueError(f'inputs_q has shape {inputs_q.shape}: expected [batch..., length, '
+                     'features].')
+  for name, array, width in (('inputs_q', inputs_q, spec.in_features),
+                             ('inputs_k', inputs_k, spec.in_kv_features),
+                             ('inputs_v', inputs_v, spec.in_kv_features)):
+    if array.shape[-1] != width or array.shape[:-2] != inputs_q.shape[:-2]:
+      raise ValueError(f'{name} has shape {array.shape}: expected [batch..., length, {width}] '
+                       f'with the batch dims of inputs_q {inputs_q.shape[:-2]}.')
+  if inputs_k.shape[-2] != inputs_v.shape[-2]:
+    raise ValueError(f'inputs_k and inputs_v lengths differ: {inputs_k.shape[-2]} vs '
+                     f'{inputs_v.shape[-2]}.')
+  if cache is not None:
+    if inputs_k.shape[-2] != inputs_q.shape[-2]:
+      raise ValueError('a decoding cache is for self-attention: inputs_k must have the length '
+                       f'of inputs_q ({inputs_q.shape[-2]}), got {inputs_k.shape[-2]}.')
+    max_length = cache['value'].shape[inputs_q.ndim - 2]
+    if inputs_q.shape[-2] > max_length:
+      raise ValueError(f'decoding {inputs_q.shape[-2]} positions at once exceeds the cache '
+                       f'length {max_length}.')
+
+
+def multi_head_attention(
+    params: Params,
+    inputs_q: Array,
+    inputs_k: Array | None = None,
+    inputs_v: Array | None = None,
+    *,
+    spec: AttentionSpec,
+    mask: Array | None = None,
+    is_causal: bool = False,
+    head_mask: Array | None = None,
+    cache: dict[str, Array] | None = None,
+    rng: Array | None = None,
+    dropout_rate: float = 0.0,
+    broadcast_dropout: bool = True,
+    deterministic: bool = True,
+    return_weights: bool = False,
+    dtype=None,
+    precision=None,
+) -> AttentionOutput:
+  """Multi-head attention of kind `spec.kind`.
+
+  Args:
+    params: arrays named and shaped as `spec.param_shapes()`.
+    inputs_q: `[batch..., q_length, in_features]`.
+    inputs_k: `[batch..., kv_length, in_kv_features]`; defaults to inputs_q.
+    inputs_v: like inputs_k; defaults to inputs_k.
+    spec: the layer's kind and sizes.
+    mask: boolean (or 0/1) mask broadcastable to `[batch..., heads, q_length, kv_length]`;
+      False hides a key from a query. A query that sees no key outputs 0 (never NaN).
+    is_causal: also hide keys after the query's position.
+    head_mask: `[heads]` or `[batch..., heads]` factors multiplying each head's output
+      before the output projection: 0/1 to prune heads; its gradient at ones is the head
+      importance of Michel et al. (2019).
+    cache: from `init_cache`: decode `q_length` new positions (self-attention) appended at
+      `cache['index']`; the query at step t sees cached keys 0..t. Returned updated.
+    rng: PRNG key for attention dropout and, when gated, gate noise (needed when not
+      deterministic and either is active).
+    dropout_rate: attention dropout probability, in [0, 1).
+    broadcast_dropout: one dropout mask shared over batch and heads (as flax).
+    deterministic: no dropout, and evaluation-mode (deterministic) gates.
+    return_weights: also return the attention weights (after talking-heads mixing, before
+      dropout).
+    dtype: computation dtype; default: promoted from the inputs and parameters. Logits and
+      the softmax are always float32.
+    precision: `jax.lax.Precision` of the matrix products.
+  """
+  inputs_k = inputs_q if inputs_k is None else inputs_k
+  inputs_v = inputs_k if inputs_v is None else inputs_v
+  _check_inputs(params, spec, inputs_q, inputs_k, inputs_v, cache)
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f'dropout_rate={dropout_rate!r} must be in [0, 1).')
+  stochastic = not deterministic and (dropout_rate > 0.0 or spec.gated)
+  if stochastic and rng is None:
+    raise ValueError('rng is required when deterministic=False and dropout_rate > 0 or gated.')
+
+  if dtype is None:
+    dtype = jnp.result_type(inputs_q, inputs_k, inputs_v,
+                            *(v for name, v in params.items() if name != 'gate_log_alpha'))
+  # Gate parameters stay float32: they only enter through float32 sigmoids.
+  params = {name: value if name == 'gate_log_alpha' else jnp.asarray(value, dtype)
+            for name, value in params.items()}
+  inputs_q, inputs_k, inputs_v = (jnp.asarray(x, dtype) for x in (inputs_q, inputs_k, inputs_v))
+  batch_shape = inputs_q.shape[:-2]
+  length_axis = len(batch_shape)
+
+  query, key, value, content_bias = project(params, spec, inputs_q, inputs_k, inputs_v,
+                                            precision)
+  if cache is not None:
+    step_mask = core.causal_mask(inputs_q.shape[-2], cache['value'].shape[length_axis],
+                                 offset=cache['index'])
+    cache = _append_to_cache(cache, key, value, content_bias, length_axis)
+    key, value, content_bias = cache['key'], cache['value'], cache.get('content_bias')
+    mask = core.combine_masks(mask, step_mask)
+  elif is_causal:
+    mask = core.combine_masks(mask, core.causal_mask(inputs_q.shape[-2], inputs_k.shape[-2]))
+
+  scores = logits(params, spec, query, key, content_bias, precision)
+  if mask is not None:
+    mask = jnp.asarray(mask).astype(bool)
+    core.check_broadcastable('mask', mask.shape, scores.shape,
+                             '[batch..., heads, q_length, kv_length]')
+  weights = core.masked_softmax(scores, mask)
+  if spec.kind == 'talking_heads':
+    weights = mix_heads(weights, params['post_softmax_mixing'].astype(jnp.float32), precision)
+    if mask is not None:  # heads with different masks must not leak weight onto hidden keys
+      weights = jnp.where(mask, weights, 0.0)
+  returned_weights = weights if return_weights else None
+  if not deterministic and dropout_rate > 0.0:
+    weights = core.dropout(weights, rng, dropout_rate, broadcast_dropout)
+  heads = core.weighted_sum(weights, value, precision)  # [..., q, h, d]
+
+  head_scale = head_mask
+  if head_scale is not None:
+    core.check_broadcastable('head_mask', jnp.shape(head_scale), (*batch_shape, spec.num_heads),
+                             '[batch..., heads]')
+  if spec.gated:
+    log_alpha = params['gate_log_alpha']
+    gates = (spec.gate.deterministic(log_alpha) if deterministic
+             else spec.gate.sample(jax.random.fold_in(rng, 1), log_alpha))
+    head_scale = gates if head_scale is None else head_scale * gates
+  if head_scale is not None:
+    heads = heads * jnp.asarray(head_scale, dtype)[..., None, :, None]
+
+  out = jnp.einsum('...qhd,hdo->...qo', heads, params['out_kernel'], precision=precision)
+  if 'out_bias' in params:
+    out = out + params['out_bias']
+  return AttentionOutput(out, returned_weights, cache)

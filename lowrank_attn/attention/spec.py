@@ -1,0 +1,228 @@
+"""What an attention layer is: its kind, sizes, parameter shapes, logical axes, size and cost.
+
+`AttentionSpec` validates every setting once, at construction, so a bad setting fails with a
+message naming it instead of a deep XLA shape error later. Kernels and layers read it.
+"""
+
+import dataclasses
+import math
+from typing import Literal
+
+from lowrank_attn.attention.gates import HardConcrete
+
+Kind = Literal['concat', 'fixed_head', 'collaborative', 'talking_heads']
+KINDS: tuple[str, ...] = ('concat', 'fixed_head', 'collaborative', 'talking_heads')
+DOT_PRODUCT_KINDS = ('concat', 'fixed_head', 'talking_heads')
+
+
+def _require_positive_int(name: str, value) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f'{name}={value!r} must be an integer >= 1.')
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """Sizes and options of one multi-head attention layer.
+
+  Attributes:
+    num_heads: h, number of heads.
+    in_features: D, width of the query input.
+    kind: how per-head logits are computed:
+      'concat': standard attention, head size qkv_features / num_heads (Vaswani et al.).
+      'fixed_head': head size `head_dim` chosen independently of num_heads, to lift the
+        low-rank bottleneck (Bhojanapalli et al. 2020).
+      'collaborative': one shared query/key projection of width `key_dim`; head i scales it
+        by its mixing vector m_i (Cordonnier et al. 2020, eq. 7).
+      'talking_heads': concat plus learned h x h mixing of the logits before and of the
+        weights after the softmax (Shazeer et al. 2020).
+    qkv_features: total query/key/value width, num_heads * head_dim; defaults to in_features
+      (or to num_heads * head_dim when head_dim is given).
+    out_features: output width; defaults to in_features.
+    in_kv_features: width of the key/value inputs; defaults to in_features.
+    num_kv_heads: key/value heads for grouped-query attention (dot-product kinds only);
+      defaults to num_heads.
+    head_dim: per-head width of values (and of queries/keys for dot-product kinds). Required
+      for 'fixed_head'; otherwise defaults to qkv_features // num_heads.
+    key_dim: D_k, the shared query/key width of 'collaborative'; defaults to
+      num_heads * head_dim (full width, where it can reproduce 'concat' exactly).
+    use_bias: biases on the projections. 'collaborative' has no query/key biases; their only
+      softmax-relevant effect, the key-content term x_k . c_i, is its `content_bias`.
+    normalize_qk: LayerNorm on per-head queries and keys (dot-product kinds).
+    logit_scale: multiplies the logits. Default 1/sqrt(head_dim) for dot-product kinds and
+      1/sqrt(key_dim / num_heads) for 'collaborative' (the paper's choice for training from
+      scratch). A re-parametrized layer must keep the scale of the layer it came from, which
+      is why this is a setting of the layer and not recomputed from key_dim.
+    gated: multiply each head's output by a hard-concrete gate (Voita et al. 2019).
+    gate: the gates' distribution settings.
+  """
+
+  num_heads: int
+  in_features: int
+  kind: Kind = 'concat'
+  qkv_features: int | None = None
+  out_features: int | None = None
+  in_kv_features: int | None = None
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  key_dim: int | None = None
+  use_bias: bool = True
+  normalize_qk: bool = False
+  logit_scale: float | None = None
+  gated: bool = False
+  gate: HardConcrete = HardConcrete()
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f'kind={self.kind!r} is not one of {KINDS}.')
+    _require_positive_int('num_heads', self.num_heads)
+    _require_positive_int('in_features', self.in_features)
+    resolve = lambda name, value: object.__setattr__(self, name, value)
+    for name in ('out_features', 'in_kv_features'):
+      if getattr(self, name) is None:
+        resolve(name, self.in_features)
+      _require_positive_int(name, getattr(self, name))
+
+    # head_dim and qkv_features = num_heads * head_dim: give either one, or both consistently.
+    h = self.num_heads
+    if self.head_dim is None:
+      if self.kind == 'fixed_head':
+        raise ValueError(
+            "kind='fixed_head' needs head_dim (an integer >= 1): the head size is chosen "
+            'independently of num_heads, e.g. the sequence length (Bhojanapalli et al.).')
+      qkv = self.in_features if self.qkv_features is None else self.qkv_features
+      _require_positive_int('qkv_features', qkv)
+      if qkv % h:
+        raise ValueError(
+            f'qkv_features={qkv} must be divisible by num_heads={h} (valid num_heads: '
+            f"divisors of {qkv}); kind='fixed_head' with head_dim=... sets the head size "
+            'freely.')
+      resolve('head_dim', qkv // h)
+    _require_positive_int('head_dim', self.head_dim)
+    if self.qkv_features is not None and self.qkv_features != h * self.head_dim:
+      raise ValueError(
+          f'qkv_features={self.qkv_features} conflicts with num_heads * head_dim = '
+          f'{h} * {self.head_dim}; give only one of qkv_features and head_dim.')
+    resolve('qkv_features', h * self.head_dim)
+
+    if self.kind == 'collaborative':
+      if self.key_dim is None:
+        resolve('key_dim', h * self.head_dim)
+      _require_positive_int('key_dim', self.key_dim)
+      if self.num_kv_heads not in (None, h):
+        raise ValueError(
+            f"num_kv_heads={self.num_kv_heads} is not supported by kind='collaborative': its "
+            'keys are already shared by all heads; leave num_kv_heads=None.')
+      if self.normalize_qk:
+        raise ValueError(
+            "normalize_qk=True is only defined for dot-product kinds "
+            f'{DOT_PRODUCT_KINDS}, not collaborative.')
+    elif self.key_dim is not None:
+      raise ValueError(
+          f"key_dim={self.key_dim} is only used by kind='collaborative' (got kind={self.kind!r}).")
+
+    if self.num_kv_heads is None:
+      resolve('num_kv_heads', h)
+    _require_positive_int('num_kv_heads', self.num_kv_heads)
+    if h % self.num_kv_heads:
+      raise ValueError(
+          f'num_heads={h} must be divisible by num_kv_heads={self.num_kv_heads} '
+          f'(valid num_kv_heads: divisors of {h}).')
+
+    if self.logit_scale is None:
+      width = self.key_dim / h if self.kind == 'collaborative' else self.head_dim
+      resolve('logit_scale', 1.0 / math.sqrt(width))
+    if not (isinstance(self.logit_scale, (int, float)) and self.logit_scale > 0):
+      raise ValueError(f'logit_scale={self.logit_scale!r} must be a number > 0.')
+
+  # ---------------------------------------------------------------- parameters
+
+  @property
+  def is_dot_product(self) -> bool:
+    return self.kind in DOT_PRODUCT_KINDS
+
+  def param_shapes(self) -> dict[str, tuple[int, ...]]:
+    """Shape of every parameter, by name (the names the kernels and the NNX layer use)."""
+    h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+    D, Dkv, Dout = self.in_features, self.in_kv_features, self.out_features
+    shapes = {}
+    if self.is_dot_product:
+      shapes['query_kernel'] = (D, h, d)
+      if self.use_bias:
+        shapes['query_bias'] = (h, d)
+      shapes['key_kernel'] = (Dkv, hkv, d)
+      if self.use_bias:
+        shapes['key_bias'] = (hkv, d)
+    else:
+      shapes['query_kernel'] = (D, self.key_dim)
+      shapes['key_kernel'] = (Dkv, self.key_dim)
+      shapes['mixing'] = (h, self.key_dim)
+      if self.use_bias:
+        shapes['content_bias'] = (Dkv, h)
+    value_heads = hkv if self.is_dot_product else h
+    shapes['value_kernel'] = (Dkv, value_heads, d)
+    if self.use_bias:
+      shapes['value_bias'] = (value_heads, d)
+    if self.normalize_qk:
+      shapes['query_ln_scale'] = (d,)
+      shapes['key_ln_scale'] = (d,)
+    shapes['out_kernel'] = (h, d, Dout)
+    if self.use_bias:
+      shapes['out_bias'] = (Dout,)
+    if self.kind == 'talking_heads':
+      shapes['pre_softmax_mixing'] = (h, h)
+      shapes['post_softmax_mixing'] = (h, h)
+    if self.gated:
+      shapes['gate_log_alpha'] = (h,)
+    return shapes
+
+  def logical_axes(self) -> dict[str, tuple[str | None, ...]]:
+    """Logical axis names of every parameter, for sharding rules (maxtext style)."""
+    axes = {
+        'query_bias': ('heads', 'kv'),
+        'key_bias': ('heads', 'kv'),
+        'value_kernel': ('embed', 'heads', 'kv'),
+        'value_bias': ('heads', 'kv'),
+        'out_kernel': ('heads', 'kv', 'embed'),
+        'out_bias': ('embed',),
+        'mixing': ('heads', 'key'),
+        'content_bias': ('embed', 'heads'),
+        'query_ln_scale': ('kv',),
+        'key_ln_scale': ('kv',),
+        # Mixing across heads needs all heads anyway: shard only the output-head axis.
+        'pre_softmax_mixing': (None, 'heads'),
+        'post_softmax_mixing': (None, 'heads'),
+        'gate_log_alpha': ('heads',),
+    }
+    if self.is_dot_product:
+      axes['query_kernel'] = axes['key_kernel'] = ('embed', 'heads', 'kv')
+    else:
+      axes['query_kernel'] = axes['key_kernel'] = ('embed', 'key')
+    return {name: axes[name] for name in self.param_shapes()}
+
+  def num_params(self) -> int:
+    """Analytic parameter count."""
+    return sum(math.prod(shape) for shape in self.param_shapes().values())
+
+  def flops(self, batch: int, q_length: int, kv_length: int | None = None) -> int:
+    """Forward FLOPs of the matrix products (2 x multiply-adds) for a full, uncached call.
+
+    Elementwise work (softmax, masking, the collaborative mixing product, gates) is left out:
+    it is O(1/head_dim) of the total. Training (forward + backward) costs about 3x this.
+    """
+    kv_length = q_length if kv_length is None else kv_length
+    h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+    D, Dkv, Dout = self.in_features, self.in_kv_features, self.out_features
+    nq, nk = batch * q_length, batch * kv_length
+    pairs = batch * q_length * kv_length  # query-key pairs
+    if self.is_dot_product:
+      projections = nq * D * h * d + 2 * nk * Dkv * hkv * d
+      logits = pairs * h * d
+    else:
+      projections = nq * D * self.key_dim + nk * Dkv * self.key_dim + nk * Dkv * h * d
+      if self.use_bias:
+        projections += nk * Dkv * h  # content bias x_k . c_i
+      logits = pairs * h * self.key_dim
+    weighted_sum = pairs * h * d
+    out = nq * h * d * Dout
+    talking = 2 * pairs * h * h if self.kind == 'talking_heads' else 0
+    return 2 * (projections + logits + weighted_sum + out + talking)

@@ -1,0 +1,415 @@
+"""`MultiHeadAttention`: an NNX drop-in for `flax.nnx.MultiHeadAttention` with our kinds.
+
+The layer owns parameters (with logical axis names for sharding) and the decoding cache; the
+computation is `lowrank_attn.attention.multi_head_attention`, so layer and kernel cannot
+drift apart.
+"""
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.nn import dtypes, initializers
+from flax.nnx.nn.linear import default_kernel_init
+
+from lowrank_attn import attention
+from lowrank_attn.attention import AttentionSpec, HardConcrete
+from lowrank_attn.attention.convert import concat_to_collaborative, concatenate_mixing
+
+Array = jax.Array
+_EMPTY = MappingProxyType({})
+MIXING_INITS = ('concatenate', 'all_ones', 'random')
+
+
+def _init_mixing(kind: str, rng, num_heads: int, key_dim: int, dtype) -> Array:
+  if kind == 'concatenate':
+    return concatenate_mixing(num_heads, key_dim, dtype)
+  if kind == 'all_ones':
+    return jnp.ones((num_heads, key_dim), dtype)
+  # 'random': N(0, 0.2^2), the scale of Cordonnier et al.'s code.
+  return 0.2 * jax.random.normal(rng, (num_heads, key_dim), dtype)
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head attention: concat, fixed-head-size, collaborative or talking heads, optionally gated.
+
+  Takes every constructor argument and call argument of `flax.nnx.MultiHeadAttention` (and
+  draws the same initial parameters from the same `rngs` for kind='concat'), plus:
+
+  Args:
+    kind: 'concat' | 'fixed_head' | 'collaborative' | 'talking_heads' (see `AttentionSpec`).
+    head_dim: per-head width; required for 'fixed_head' (Bhojanapalli et al. 2020).
+    key_dim: the shared query/key width of 'collaborative' (Cordonnier et al. 2020).
+    mixing_init: collaborative mixing initialiser: 'concatenate' (block one-hot; reproduces
+      concat at full key_dim), 'all_ones' or 'random' (N(0, 0.2^2)).
+    logit_scale: logit multiplier; default 1/sqrt(head_dim), or 1/sqrt(key_dim/num_heads)
+      for 'collaborative'. Kept as a setting so re-parametrized layers keep the original.
+    gated: hard-concrete gates on the heads (Voita et al. 2019); `l0_penalty()` is the
+      expected number of open gates.
+    gate_temperature, gate_stretch: the gates' `HardConcrete` settings (defaults 0.33 and
+      (-0.1, 1.1), as Voita et al.'s code).
+    gate_log_alpha_init: initial log-alpha. The default 3.0 > log(11) makes every evaluation
+      gate exactly 1, so a freshly gated layer computes what its ungated kind computes.
+    talking heads mixing starts at the identity, where the layer equals concat.
+  """
+
+  def __init__(
+      self,
+      num_heads: int,
+      in_features: int,
+      qkv_features: int | None = None,
+      out_features: int | None = None,
+      num_kv_heads: int | None = None,
+      in_kv_features: int | None = None,
+      *,
+      kind: str = 'concat',
+      head_dim: int | None = None,
+      key_dim: int | None = None,
+      mixing_init: str = 'concatenate',
+      logit_scale: float | None = None,
+      gated: bool = False,
+      gate_temperature: float = 0.33,
+      gate_stretch: tuple[float, float] = (-0.1, 1.1),
+      gate_log_alpha_init: float = 3.0,
+      dtype=None,
+      param_dtype=jnp.float32,
+      broadcast_dropout: bool = True,
+      dropout_rate: float = 0.0,
+      deterministic: bool | None = None,
+      precision=None,
+      kernel_init=default_kernel_init,
+      out_kernel_init=None,
+      bias_init=initializers.zeros_init(),
+      out_bias_init=None,
+      use_bias: bool = True,
+      attention_fn=None,
+      decode: bool | None = None,
+      normalize_qk: bool = False,
+      qkv_promote_dtype=dtypes.promote_dtype,
+      out_promote_dtype=dtypes.promote_dtype,
+      ln_promote_dtype=dtypes.promote_dtype,
+      qkv_dot_general=None,
+      out_dot_general=None,
+      qkv_dot_general_cls=None,
+      out_dot_general_cls=None,
+      rngs: nnx.Rngs,
+      keep_rngs: bool = True,
+      kernel_metadata: Mapping[str, Any] = _EMPTY,
+      out_kernel_metadata: Mapping[str, Any] = _EMPTY,
+      bias_metadata: Mapping[str, Any] = _EMPTY,
+      out_bias_metadata: Mapping[str, Any] = _EMPTY,
+      query_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+      key_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+  ):
+    # flax arguments that swap out the computation itself: ours is defined by `kind`.
+    if attention_fn not in (None, nnx.dot_product_attention):
+      raise ValueError('attention_fn is not supported: the attention computation is chosen by '
+                       f'kind= (one of {attention.KINDS}).')
+    for name, value, default in (
+        ('qkv_promote_dtype', qkv_promote_dtype, dtypes.promote_dtype),
+        ('out_promote_dtype', out_promote_dtype, dtypes.promote_dtype),
+        ('ln_promote_dtype', ln_promote_dtype, dtypes.promote_dtype),
+        ('qkv_dot_general', qkv_dot_general, None),
+        ('out_dot_general', out_dot_general, None),
+        ('qkv_dot_general_cls', qkv_dot_general_cls, None),
+        ('out_dot_general_cls', out_dot_general_cls, None)):
+      if value is not default:
+        raise ValueError(f'{name} is not supported; use dtype= and precision= instead.')
+    if mixing_init not in MIXING_INITS:
+      raise ValueError(f'mixing_init={mixing_init!r} is not one of {MIXING_INITS}.')
+    if not 0.0 <= dropout_rate < 1.0:
+      raise ValueError(f'dropout_rate={dropout_rate!r} must be in [0, 1).')
+
+    self.spec = AttentionSpec(
+        num_heads=num_heads, in_features=in_features, kind=kind, qkv_features=qkv_features,
+        out_features=out_features, in_kv_features=in_kv_features, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, key_dim=key_dim, use_bias=use_bias, normalize_qk=normalize_qk,
+        logit_scale=logit_scale, gated=gated,
+        gate=HardConcrete(temperature=gate_temperature, stretch=tuple(gate_stretch)))
+    spec = self.spec
+    # The attributes flax's layer exposes, for code written against it.
+    self.num_heads, self.in_features = num_heads, in_features
+    self.qkv_features, self.out_features = spec.qkv_features, spec.out_features
+    self.in_kv_features, self.num_kv_heads = spec.in_kv_features, spec.num_kv_heads
+    self.head_dim, self.kind = spec.head_dim, kind
+    self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+    self.broadcast_dropout, self.dropout_rate = broadcast_dropout, dropout_rate
+    self.deterministic, self.decode = deterministic, decode
+    self.use_bias, self.normalize_qk = use_bias, normalize_qk
+
+    shapes, axes = spec.param_shapes(), spec.logical_axes()
+    out_kernel_init = out_kernel_init or kernel_init
+    out_bias_init = out_bias_init or bias_init
+
+    def param(name, init, metadata=_EMPTY, flat_shape=None):
+      """Initialise `name` like flax's LinearGeneral: from a 2-D (kernels) or 1-D (biases)
+      shape, so fan-in/fan-out match the equivalent dense layer, then reshape."""
+      shape = shapes[name]
+      value = init(rngs.params(), flat_shape or (int(np.prod(shape)),), param_dtype)
+      if isinstance(value, nnx.VariableMetadata):  # user's nnx.with_partitioning wins
+        value.raw_value = jnp.reshape(value.raw_value, shape)
+        setattr(self, name, nnx.Param(value))
+      else:
+        # Logical names are metadata only (no eager sharding, which would need a mesh and
+        # rules at construction): the training loop shards by them in its jitted init.
+        metadata = {'out_sharding': axes[name], 'eager_sharding': False, **metadata}
+        setattr(self, name, nnx.Param(jnp.reshape(value, shape), **metadata))
+
+    def dense(prefix, in_width, kernel_meta=kernel_metadata, bias_meta=bias_metadata):
+      kernel_shape = shapes[f'{prefix}_kernel']
+      param(f'{prefix}_kernel', kernel_init, kernel_meta,
+            (in_width, int(np.prod(kernel_shape[1:]))))
+      if f'{prefix}_bias' in shapes:
+        param(f'{prefix}_bias', bias_init, bias_meta)
+
+    D, Dkv = in_features, spec.in_kv_features
+    if spec.is_dot_product:  # the order flax draws its parameters in
+      dense('query', D)
+      dense('key', Dkv)
+      dense('value', Dkv)
+      if normalize_qk:
+        param('query_ln_scale', initializers.ones_init(), query_ln_scale_metadata)
+        param('key_ln_scale', initializers.ones_init(), key_ln_scale_metadata)
+    else:
+      param('query_kernel', kernel_init, kernel_metadata, (D, spec.key_dim))
+      param('key_kernel', kernel_init, kernel_metadata, (Dkv, spec.key_dim))
+      param('mixing', lambda rng, shape, dtype: _init_mixing(
+          mixing_init, rng, num_heads, spec.key_dim, dtype))
+      if use_bias:  # zero content bias: what a layer with zero query bias has
+        param('content_bias', bias_init, bias_metadata)
+      dense('value', Dkv)
+    param('out_kernel', out_kernel_init, out_kernel_metadata or kernel_metadata,
+          (num_heads * spec.head_dim, spec.out_features))
+    if use_bias:
+      param('out_bias', out_bias_init, out_bias_metadata or bias_metadata)
+    if kind == 'talking_heads':
+      identity = lambda rng, shape, dtype: jnp.eye(num_heads, dtype=dtype)
+      param('pre_softmax_mixing', identity)
+      param('post_softmax_mixing', identity)
+    if gated:
+      param('gate_log_alpha', initializers.constant(gate_log_alpha_init))
+
+    stochastic = dropout_rate > 0.0 or gated
+    self.rngs = rngs.dropout.fork() if keep_rngs and stochastic else None
+    self.cached_key: nnx.Cache | None = nnx.data(None)
+    self.cached_value: nnx.Cache | None = nnx.data(None)
+    self.cached_content_bias: nnx.Cache | None = nnx.data(None)
+    self.cache_index: nnx.Cache | None = nnx.data(None)
+
+  # ------------------------------------------------------------------ parameters
+
+  def kernel_params(self) -> dict[str, Array]:
+    """The parameter arrays, named as `lowrank_attn.attention.multi_head_attention` reads them."""
+    return {name: getattr(self, name)[...] for name in self.spec.param_shapes()}
+
+  def l0_penalty(self) -> Array:
+    """Expected number of open gates, sum_i P(g_i != 0) (Louizos et al. eq. 12); 0 if ungated."""
+    if not self.spec.gated:
+      return jnp.zeros((), jnp.float32)
+    return self.spec.gate.expected_l0(self.gate_log_alpha[...])
+
+  def gate_values(self) -> Array:
+    """Evaluation-time gate of every head, in [0, 1] (ones if ungated)."""
+    if not self.spec.gated:
+      return jnp.ones((self.num_heads,), jnp.float32)
+    return self.spec.gate.deterministic(self.gate_log_alpha[...])
+
+  def pruning_mask(self) -> Array:
+    """Boolean `[heads]`: the heads a gated layer keeps (evaluation gate > 0)."""
+    if not self.spec.gated:
+      return jnp.ones((self.num_heads,), bool)
+    return self.spec.gate.binary_mask(self.gate_log_alpha[...])
+
+  # ------------------------------------------------------------------ forward
+
+  def __call__(
+      self,
+      inputs_q: Array,
+      inputs_k: Array | None = None,
+      inputs_v: Array | None = None,
+      *,
+      mask: Array | None = None,
+      deterministic: bool | None = None,
+      rngs: nnx.Rngs | nnx.RngStream | None = None,
+      sow_weights: bool = False,
+      decode: bool | None = None,
+      is_causal: bool = False,
+      out_sharding=None,
+      qkv_sharding=None,
+      head_mask: Array | None = None,
+      return_weights: bool = False,
+  ):
+    """Attention of `inputs_q` over `inputs_k`/`inputs_v` (self-attention when both are None).
+
+    Args as `flax.nnx.MultiHeadAttention.__call__`, plus:
+      head_mask: `[heads]` or `[batch..., heads]` factors on each head's output (pruning masks;
+        its gradient at ones is Michel et al.'s head importance).
+      return_weights: return `(out, weights)`, weights float32 `[batch..., heads, q, kv]`.
+    In decode mode the call may hold one position or a chunk of several.
+    """
+    if out_sharding is not None or qkv_sharding is not None:
+      raise ValueError('out_sharding/qkv_sharding are not supported: the layer is sharded '
+                       'through its parameters\' logical axes (embed, heads, kv, key).')
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError('inputs_k cannot be None if inputs_v is given; pass the same array '
+                         'as inputs_k to use it for both.')
+      inputs_k = inputs_q
+    decode = bool(decode if decode is not None else self.decode)
+
+    spec = self.spec
+    stochastic_parts = self.dropout_rate > 0.0 or spec.gated
+    if stochastic_parts:
+      deterministic = deterministic if deterministic is not None else self.deterministic
+      if deterministic is None:
+        raise ValueError('deterministic must be given (to the constructor or the call) when '
+                         'dropout_rate > 0 or gated=True.')
+    else:
+      deterministic = True
+    rng = None
+    if not deterministic:
+      stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs or self.rngs)
+      if stream is None:
+        raise ValueError("rngs must be passed to the call when keep_rngs=False and the layer "
+                         'is not deterministic.')
+      rng = stream()
+
+    cache = None
+    if decode:
+      if self.cache_index is None:
+        raise ValueError('decode=True needs a cache: call init_cache(input_shape) first.')
+      cache = {'key': self.cached_key[...], 'value': self.cached_value[...],
+               'index': self.cache_index[...]}
+      if self.cached_content_bias is not None:
+        cache['content_bias'] = self.cached_content_bias[...]
+
+    result = attention.multi_head_attention(
+        self.kernel_params(), inputs_q, inputs_k, inputs_v, spec=spec, mask=mask,
+        is_causal=is_causal and not decode, head_mask=head_mask, cache=cache, rng=rng,
+        dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
+        deterministic=deterministic, return_weights=return_weights or sow_weights,
+        dtype=self.dtype, precision=self.precision)
+
+    if decode:
+      self.cached_key[...] = result.cache['key']
+      self.cached_value[...] = result.cache['value']
+      self.cache_index[...] = result.cache['index']
+      if self.cached_content_bias is not None:
+        self.cached_content_bias[...] = result.cache['content_bias']
+    if sow_weights:
+      self.sow(nnx.Intermediate, 'attention_weights', result.weights)
+    return (result.out, result.weights) if return_weights else result.out
+
+  # ------------------------------------------------------------------ decoding cache
+
+  def init_cache(self, input_shape, dtype=jnp.float32):
+    """Allocate the decoding cache for inputs of shape `[batch..., max_length, features]`."""
+    cache = attention.init_cache(self.spec, tuple(input_shape[:-2]), input_shape[-2], dtype)
+    self.cached_key = nnx.Cache(cache['key'])
+    self.cached_value = nnx.Cache(cache['value'])
+    self.cache_index = nnx.Cache(cache['index'])
+    if 'content_bias' in cache:
+      self.cached_content_bias = nnx.Cache(cache['content_bias'])
+
+  def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
+               batch_size: int | tuple[int, ...] | None = None,
+               max_length: int | None = None):
+    """Used by `nnx.view`: set modes, allocating the cache when decode is switched on."""
+    if deterministic is not None:
+      self.deterministic = deterministic
+    if decode is not None:
+      self.decode = decode
+      if decode and self.cache_index is None:
+        if batch_size is None or max_length is None:
+          raise TypeError("'batch_size' and 'max_length' are needed to initialise the cache.")
+        batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
+        self.init_cache((*batch, max_length, self.in_features), self.dtype or jnp.float32)
+
+  # ------------------------------------------------------------------ conversion
+
+  @classmethod
+  def from_flax(cls, module: nnx.MultiHeadAttention, *, kind: str = 'concat',
+                key_dim: int | None = None, **options) -> 'MultiHeadAttention':
+    """Our layer computing what an existing `flax.nnx.MultiHeadAttention` computes.
+
+    kind='concat', 'fixed_head' and 'talking_heads' (identity mixing) copy the weights.
+    kind='collaborative' at full key width (key_dim = num_heads * head_dim) stacks the
+    per-head query/key projections into the shared ones with block one-hot mixing, and turns
+    the query bias into the key-content bias c_i = W_K^(i) b_Q^(i); the key bias only adds
+    per-query constants to the logits, which the softmax cancels (Cordonnier et al. sec. 3.1).
+    The logit scale stays 1/sqrt(head_dim) of the original. Reduced key widths need the
+    tensor decomposition of the re-parametrization step and are refused here.
+    `options` (e.g. gated=True) are passed to the constructor.
+    """
+    if not isinstance(module, nnx.MultiHeadAttention):
+      raise ValueError(f'module must be a flax.nnx.MultiHeadAttention, got {type(module)}.')
+    h, d = module.num_heads, module.head_dim
+    if kind == 'collaborative':
+      if key_dim not in (None, h * d):
+        raise NotImplementedError(
+            f'key_dim={key_dim} < num_heads * head_dim = {h * d} cannot be converted exactly; '
+            'reduced-width conversion needs the CP decomposition of the re-parametrization '
+            f'step. Use key_dim=None (= {h * d}) here.')
+      if module.num_kv_heads != h or module.normalize_qk:
+        raise ValueError("kind='collaborative' conversion needs num_kv_heads == num_heads and "
+                         'normalize_qk=False.')
+      options.setdefault('logit_scale', d ** -0.5)
+    elif key_dim is not None:
+      raise ValueError(f"key_dim={key_dim} is only used by kind='collaborative'.")
+    rngs = nnx.Rngs(0)  # parameters are overwritten below
+    layer = cls(
+        module.num_heads, module.in_features, module.qkv_features, module.out_features,
+        module.num_kv_heads, module.in_kv_features, kind=kind,
+        head_dim=d if kind == 'fixed_head' else None, dtype=module.dtype,
+        param_dtype=module.param_dtype, broadcast_dropout=module.broadcast_dropout,
+        dropout_rate=module.dropout_rate, deterministic=module.deterministic,
+        precision=module.precision, use_bias=module.use_bias, decode=module.decode,
+        normalize_qk=module.normalize_qk, rngs=rngs, **options)
+    if module.rngs is not None and layer.rngs is not None:
+      layer.rngs = nnx.clone(module.rngs)  # same dropout stream as the original
+
+    # Flax's parameters under our names, then (collaborative) re-parametrized exactly.
+    weights = {}
+    for ours, theirs in (('query', 'query'), ('key', 'key'), ('value', 'value'), ('out', 'out')):
+      weights[f'{ours}_kernel'] = getattr(module, theirs).kernel[...]
+      if module.use_bias:
+        weights[f'{ours}_bias'] = getattr(module, theirs).bias[...]
+    if module.normalize_qk:
+      weights['query_ln_scale'] = module.query_ln.scale[...]
+      weights['key_ln_scale'] = module.key_ln.scale[...]
+    if kind == 'collaborative':
+      concat_spec = dataclasses.replace(layer.spec, kind='concat', key_dim=None)
+      weights, _ = concat_to_collaborative(weights, concat_spec)
+    for name, value in weights.items():
+      getattr(layer, name)[...] = value
+    return layer
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                          dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                          precision=None, module=None, promote_dtype=dtypes.promote_dtype,
+                          is_causal=False):
+  """An `attention_fn` for flax's own attention layers, built on our core.
+
+  Same signature as `flax.nnx.dot_product_attention`; logits and softmax in float32, and a
+  query whose keys are all masked outputs 0 (flax's gives a uniform average).
+  """
+  query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  scores = attention.dot_product_logits(query, key, query.shape[-1] ** -0.5, precision)
+  if bias is not None:
+    scores = scores + bias
+  if is_causal:
+    mask = attention.combine_masks(
+        mask, attention.causal_mask(scores.shape[-2], scores.shape[-1]))
+  weights = attention.masked_softmax(scores, attention.combine_masks(mask))
+  if module is not None:
+    module.sow(nnx.Intermediate, 'attention_weights', weights)
+  if not deterministic and dropout_rate > 0.0:
+    weights = attention.dropout(weights, dropout_rng, dropout_rate, broadcast_dropout)
+  return attention.weighted_sum(weights, value, precision)
