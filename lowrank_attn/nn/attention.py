@@ -362,15 +362,16 @@ class MultiHeadAttention(nnx.Module):
       options.setdefault('logit_scale', d ** -0.5)
     elif key_dim is not None:
       raise ValueError(f"key_dim={key_dim} is only used by kind='collaborative'.")
-    rngs = nnx.Rngs(0)  # parameters are overwritten below
-    layer = cls(
-        module.num_heads, module.in_features, module.qkv_features, module.out_features,
-        module.num_kv_heads, module.in_kv_features, kind=kind,
+    settings = dict(
+        num_heads=h, in_features=module.in_features, qkv_features=module.qkv_features,
+        out_features=module.out_features, num_kv_heads=module.num_kv_heads,
+        in_kv_features=module.in_kv_features, kind=kind,
         head_dim=d if kind == 'fixed_head' else None, dtype=module.dtype,
         param_dtype=module.param_dtype, broadcast_dropout=module.broadcast_dropout,
         dropout_rate=module.dropout_rate, deterministic=module.deterministic,
         precision=module.precision, use_bias=module.use_bias, decode=module.decode,
-        normalize_qk=module.normalize_qk, rngs=rngs, **options)
+        normalize_qk=module.normalize_qk)
+    layer = cls(**{**settings, **options}, rngs=nnx.Rngs(0))  # parameters overwritten below
     if module.rngs is not None and layer.rngs is not None:
       layer.rngs = nnx.clone(module.rngs)  # same dropout stream as the original
 
