@@ -1,0 +1,157 @@
+"""Attention layer speed: every kind next to `flax.nnx.MultiHeadAttention`, timed in one run.
+
+    .venv/bin/python benchmarks/attention.py                 # the table in the README
+    .venv/bin/python benchmarks/attention.py --quick         # two small shapes
+    .venv/bin/python benchmarks/attention.py --out results.md
+
+For each shape (batch, length, D, heads) it times the jitted forward pass and forward+backward
+(gradients w.r.t. parameters and inputs) of a causal self-attention layer, as the median of
+interleaved repetitions (flax, then each of ours, then flax again ...), so background load
+hits all alike. It prints each time, the ratio to flax's time, and the kind's analytic FLOP
+ratio to concat: a kind is as efficient as concat when its time ratio to concat is at most its
+FLOP ratio.
+"""
+
+import argparse
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lowrank_attn.nn import MultiHeadAttention
+
+SHAPES = [  # (batch, length, D, heads)
+    (8, 128, 256, 4),
+    (8, 256, 512, 8),
+    (8, 512, 512, 8),
+    (8, 1024, 1024, 16),
+]
+QUICK_SHAPES = [(8, 128, 256, 4), (8, 256, 512, 8)]
+
+
+def kinds(D: int, h: int, length: int) -> dict[str, dict]:
+  """Our layer settings to time, by label."""
+  return {
+      'concat': dict(),
+      # Bhojanapalli et al. lift the bottleneck with head size ~ length; we time twice D/h.
+      f'fixed_head d={2 * D // h}': dict(kind='fixed_head', head_dim=2 * D // h),
+      # Cordonnier et al.: key width can drop 4x without loss.
+      f'collaborative Dk={D // 4}': dict(kind='collaborative', key_dim=D // 4),
+      f'collaborative Dk={D}': dict(kind='collaborative', key_dim=D),
+      'talking_heads': dict(kind='talking_heads'),
+      'concat + gates': dict(gated=True, deterministic=False),
+  }
+
+
+@dataclasses.dataclass
+class Timed:
+  forward: list[float] = dataclasses.field(default_factory=list)
+  train: list[float] = dataclasses.field(default_factory=list)
+
+
+def compile_layer(layer, x):
+  """Jitted forward and forward+backward (grads of params and inputs) of a layer."""
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  def loss(params, x, rng):
+    model = nnx.merge(graphdef, params, rest)
+    out = model(x, is_causal=True, rngs=nnx.Rngs(dropout=rng))
+    return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+  forward = jax.jit(loss)
+  train = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  rng = jax.random.key(0)
+  jax.block_until_ready(forward(params, x, rng))
+  jax.block_until_ready(train(params, x, rng))
+  return (lambda: forward(params, x, rng)), (lambda: train(params, x, rng))
+
+
+CLOCKS = {'wall': time.perf_counter, 'cpu': time.process_time}
+clock = CLOCKS['wall']
+
+
+def time_once(fn) -> float:
+  start = clock()
+  jax.block_until_ready(fn())
+  return clock() - start
+
+
+def bench_shape(batch, length, D, h, repeats, dtype, only=None):
+  x = jax.random.normal(jax.random.key(1), (batch, length, D), dtype)
+  layers = {'flax.nnx': nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype,
+                                               rngs=nnx.Rngs(0))}
+  specs = {}
+  for label, options in kinds(D, h, length).items():
+    if only and label != 'concat' and not any(o in label for o in only):
+      continue
+    layers[label] = MultiHeadAttention(h, D, dtype=dtype, rngs=nnx.Rngs(0), **options)
+    specs[label] = layers[label].spec
+  compiled = {label: compile_layer(layer, x) for label, layer in layers.items()}
+  timed = {label: Timed() for label in layers}
+  for _ in range(repeats):  # interleaved, so drifting background load hits all labels alike
+    for label, (forward, train) in compiled.items():
+      timed[label].forward.append(time_once(forward))
+      timed[label].train.append(time_once(train))
+  median = {label: (statistics.median(t.forward), statistics.median(t.train))
+            for label, t in timed.items()}
+  concat_flops = specs['concat'].flops(batch, length)
+  rows = []
+  for label, (fwd, train) in median.items():
+    flop_ratio = specs[label].flops(batch, length) / concat_flops if label in specs else None
+    rows.append(dict(
+        label=label, forward_ms=1e3 * fwd, train_ms=1e3 * train,
+        forward_vs_flax=fwd / median['flax.nnx'][0], train_vs_flax=train / median['flax.nnx'][1],
+        train_vs_concat=train / median['concat'][1], flop_ratio=flop_ratio,
+        train_gflops=3 * specs[label].flops(batch, length) / train / 1e9 if label in specs
+        else 3 * concat_flops / train / 1e9))
+  return rows
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--quick', action='store_true', help='two small shapes only')
+  parser.add_argument('--repeats', type=int, default=7)
+  parser.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+  parser.add_argument('--out', help='also write the markdown table to this file')
+  parser.add_argument('--clock', default='wall', choices=CLOCKS,
+                      help="'cpu' sums the CPU time of all threads: steadier on a loaded machine")
+  parser.add_argument('--only', help='comma-separated layer labels to time (flax and concat '
+                      'are always timed)')
+  args = parser.parse_args(argv)
+  global clock
+  clock = CLOCKS[args.clock]
+  dtype = jnp.dtype(args.dtype)
+  lines = [
+      f'Attention layers, causal self-attention, {args.dtype}, {args.clock} time, median of '
+      f'{args.repeats} interleaved repetitions.',
+      f'Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
+      f'devices {jax.devices()}; jax {jax.__version__}, flax {nnx.__name__ and __import__("flax").__version__}.',
+      'Command: ' + ' '.join([os.path.basename(sys.executable), *sys.argv]),
+      '',
+      '| batch, length, D, heads | layer | forward ms | fwd / flax | fwd+bwd ms | fwd+bwd / flax '
+      '| fwd+bwd / concat | FLOPs / concat | GFLOP/s (fwd+bwd) |',
+      '|---|---|---|---|---|---|---|---|---|',
+  ]
+  print('\n'.join(lines), flush=True)
+  for batch, length, D, h in (QUICK_SHAPES if args.quick else SHAPES):
+    only = args.only.split(',') if args.only else None
+    for row in bench_shape(batch, length, D, h, args.repeats, dtype, only):
+      flop_ratio = '' if row['flop_ratio'] is None else f"{row['flop_ratio']:.2f}"
+      line = (f"| {batch}, {length}, {D}, {h} | {row['label']} | {row['forward_ms']:.1f} | "
+              f"{row['forward_vs_flax']:.2f} | {row['train_ms']:.1f} | {row['train_vs_flax']:.2f} | "
+              f"{row['train_vs_concat']:.2f} | {flop_ratio} | {row['train_gflops']:.0f} |")
+      lines.append(line)
+      print(line, flush=True)
+  if args.out:
+    with open(args.out, 'w') as f:
+      f.write('\n'.join(lines) + '\n')
+
+
+if __name__ == '__main__':
+  main()
