@@ -33,6 +33,7 @@ SHAPES = [  # (batch, length, D, heads)
     (8, 1024, 1024, 16),
 ]
 QUICK_SHAPES = [(8, 128, 256, 4), (8, 256, 512, 8)]
+EXTRA_SHAPES = [(16, 128, 512, 8)]
 
 
 def kinds(D: int, h: int, length: int) -> dict[str, dict]:

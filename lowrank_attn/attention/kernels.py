@@ -9,6 +9,7 @@ and keys `[batch..., length, heads, head_dim]`; collaborative shared queries and
 `[batch..., length, key_dim]`; logits and weights `[batch..., heads, q_length, kv_length]`.
 """
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -79,9 +80,16 @@ def _layer_norm(x: Array, scale: Array, epsilon: float = 1e-6) -> Array:
   return ((x32 - mean) * jax.lax.rsqrt(var + epsilon) * scale).astype(x.dtype)
 
 
-def _dense(x: Array, kernel: Array, bias: Array | None, precision) -> Array:
-  """Contract the last axis of x with the first of kernel (of any rank)."""
-  y = jnp.tensordot(x, kernel, axes=(x.ndim - 1, 0), precision=precision)
+def _dense(x: Array, kernel: Array, bias: Array | None, precision, in_axes: int = 1) -> Array:
+  """Contract the last `in_axes` axes of x with the first `in_axes` of kernel.
+
+  As one 2-D matrix product: XLA:CPU computes the weight gradient of a contraction over
+  several batch dimensions about 30% slower than that of the same product flattened.
+  """
+  in_shape, out_shape = kernel.shape[:in_axes], kernel.shape[in_axes:]
+  fan_in = math.prod(in_shape)
+  y = jnp.matmul(x.reshape(-1, fan_in), kernel.reshape(fan_in, -1), precision=precision)
+  y = y.reshape(*x.shape[:x.ndim - in_axes], *out_shape)
   return y if bias is None else y + bias
 
 
@@ -292,7 +300,5 @@ def multi_head_attention(
   if head_scale is not None:
     heads = heads * jnp.asarray(head_scale, dtype)[..., None, :, None]
 
-  out = jnp.einsum('...qhd,hdo->...qo', heads, params['out_kernel'], precision=precision)
-  if 'out_bias' in params:
-    out = out + params['out_bias']
+  out = _dense(heads, params['out_kernel'], params.get('out_bias'), precision, in_axes=2)
   return AttentionOutput(out, returned_weights, cache)
