@@ -1,0 +1,118 @@
+"""Pretrained BERT weights (Hugging Face layout) into `EncoderMLM`.
+
+    import json, safetensors.numpy
+    cfg = bert_config(json.load(open(path / 'config.json')))
+    model = EncoderMLM(cfg, rngs=nnx.Rngs(0))
+    unused = load_bert_weights(model, safetensors.numpy.load_file(path / 'model.safetensors'))
+
+Works for any BERT-architecture checkpoint (BERT, MiniLM, ...). Attention can be made
+collaborative or gated afterwards by re-parametrizing the loaded concat layers
+(`MultiHeadAttention.from_flax`-style conversions live with the layer).
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from lowrank_attn.models.config import AttentionConfig, TransformerConfig
+
+
+def bert_config(hf_config: Mapping[str, Any], **overrides) -> TransformerConfig:
+  """The `TransformerConfig` of a Hugging Face BERT `config.json`."""
+  if hf_config.get('model_type', 'bert') != 'bert':
+    raise ValueError(f"model_type={hf_config.get('model_type')!r}: only BERT checkpoints.")
+  if hf_config.get('position_embedding_type', 'absolute') != 'absolute':
+    raise ValueError('only absolute (learned) position embeddings are supported.')
+  act = {'gelu': 'gelu_exact', 'gelu_new': 'gelu', 'relu': 'relu'}.get(hf_config['hidden_act'])
+  if act is None:
+    raise ValueError(f"hidden_act={hf_config['hidden_act']!r} is not supported.")
+  attention = AttentionConfig(num_heads=hf_config['num_attention_heads'],
+                              dropout_rate=hf_config.get('attention_probs_dropout_prob', 0.0))
+  fields = dict(
+      vocab_size=hf_config['vocab_size'], emb_dim=hf_config['hidden_size'],
+      mlp_dim=hf_config['intermediate_size'], num_encoder_layers=hf_config['num_hidden_layers'],
+      num_decoder_layers=0, encoder_attention=attention,
+      max_length=hf_config['max_position_embeddings'], positions='learned', norm='post',
+      activation=act, dropout_rate=hf_config.get('hidden_dropout_prob', 0.0),
+      tie_embeddings=True, scale_embeddings=False,
+      type_vocab_size=hf_config.get('type_vocab_size', 0),
+      layer_norm_epsilon=hf_config.get('layer_norm_eps', 1e-12))
+  fields.update(overrides)
+  return TransformerConfig(**fields)
+
+
+def _linear(get, name, heads=None, split_input=False):
+  """torch Linear weight [out, in] -> our kernel [in, out] (optionally split into heads)."""
+  kernel = get(f'{name}.weight').T
+  bias = get(f'{name}.bias')
+  if heads is not None and not split_input:  # q/k/v: [D, heads, head_dim]
+    kernel = kernel.reshape(kernel.shape[0], heads, -1)
+    bias = bias.reshape(heads, -1)
+  if heads is not None and split_input:  # attention output: [heads, head_dim, D]
+    kernel = kernel.reshape(heads, -1, kernel.shape[-1])
+  return kernel, bias
+
+
+def load_bert_weights(model, tensors: Mapping[str, np.ndarray]) -> list[str]:
+  """Copies a BERT state dict into an `EncoderMLM` built from `bert_config`; in place.
+
+  Returns the checkpoint entries that were not used (e.g. `pooler.*`); the MLM head
+  (`cls.predictions.*`) is loaded when present and otherwise keeps its initialisation.
+  Raises ValueError on a shape mismatch or a missing encoder tensor.
+  """
+  used = set()
+
+  def get(name):
+    if name not in tensors:
+      raise ValueError(f'checkpoint has no {name!r}')
+    used.add(name)
+    return tensors[name]
+
+  def put(variable, value, name):
+    value = np.asarray(value, np.float32)
+    if tuple(variable.get_value().shape) != value.shape:
+      raise ValueError(f'{name}: checkpoint shape {value.shape} != model shape '
+                       f'{tuple(variable.get_value().shape)}')
+    variable.set_value(value.astype(variable.get_value().dtype))
+
+  embedding = model.encoder.embedding
+  put(model.tokens.embed.embedding, get('embeddings.word_embeddings.weight'), 'word embeddings')
+  put(embedding.position_table, get('embeddings.position_embeddings.weight'), 'positions')
+  if embedding.token_types is not None:
+    put(embedding.token_types.embedding, get('embeddings.token_type_embeddings.weight'),
+        'token types')
+  put(embedding.norm.scale, get('embeddings.LayerNorm.weight'), 'embedding LayerNorm')
+  put(embedding.norm.bias, get('embeddings.LayerNorm.bias'), 'embedding LayerNorm')
+  for i, layer in enumerate(model.encoder.layers):
+    prefix = f'encoder.layer.{i}'
+    attention = layer.self_attention
+    if attention.spec.kind != 'concat':
+      raise ValueError(f'layer {i}: load BERT weights into kind=concat attention, then convert.')
+    heads = attention.spec.num_heads
+    for ours, theirs in (('query', 'query'), ('key', 'key'), ('value', 'value')):
+      kernel, bias = _linear(get, f'{prefix}.attention.self.{theirs}', heads)
+      put(getattr(attention, f'{ours}_kernel'), kernel, f'{prefix} {ours}')
+      put(getattr(attention, f'{ours}_bias'), bias, f'{prefix} {ours}')
+    kernel, bias = _linear(get, f'{prefix}.attention.output.dense', heads, split_input=True)
+    put(attention.out_kernel, kernel, f'{prefix} attention output')
+    put(attention.out_bias, bias, f'{prefix} attention output')
+    put(layer.self_attention_norm.scale, get(f'{prefix}.attention.output.LayerNorm.weight'),
+        prefix)
+    put(layer.self_attention_norm.bias, get(f'{prefix}.attention.output.LayerNorm.bias'), prefix)
+    for dense, theirs in ((layer.mlp.wi, 'intermediate.dense'), (layer.mlp.wo, 'output.dense')):
+      kernel, bias = _linear(get, f'{prefix}.{theirs}')
+      put(dense.kernel, kernel, f'{prefix} {theirs}')
+      put(dense.bias, bias, f'{prefix} {theirs}')
+    put(layer.mlp_norm.scale, get(f'{prefix}.output.LayerNorm.weight'), prefix)
+    put(layer.mlp_norm.bias, get(f'{prefix}.output.LayerNorm.bias'), prefix)
+  if 'cls.predictions.bias' in tensors:  # the MLM head (BertForMaskedLM checkpoints)
+    kernel, bias = _linear(get, 'cls.predictions.transform.dense')
+    put(model.head_dense.kernel, kernel, 'MLM head')
+    put(model.head_dense.bias, bias, 'MLM head')
+    put(model.head_norm.scale, get('cls.predictions.transform.LayerNorm.weight'), 'MLM head')
+    put(model.head_norm.bias, get('cls.predictions.transform.LayerNorm.bias'), 'MLM head')
+    put(model.output_bias, get('cls.predictions.bias'), 'MLM head')
+    used.add('cls.predictions.decoder.weight')  # tied to the word embeddings
+    used.add('cls.predictions.decoder.bias')
+  return sorted(set(tensors) - used)

@@ -1,0 +1,245 @@
+"""Transformer building blocks: embeddings, MLP, one encoder/decoder layer.
+
+Every parameter names its logical axes (`vocab, embed, mlp, heads, kv, key`) in its
+`out_sharding` metadata; `lowrank_attn.train.sharding` maps them to mesh axes. Randomness at
+call time (dropout, gate noise) comes from the `rngs` argument, so a model holds no RNG state
+and a training step is a pure function of (parameters, batch, key).
+"""
+
+import math
+
+from flax import nnx
+from flax.core import spmd
+import jax
+import jax.numpy as jnp
+
+from lowrank_attn.models.config import AttentionConfig, TransformerConfig
+from lowrank_attn.nn import MultiHeadAttention
+
+Array = jax.Array
+
+
+def constrain(x: Array, logical_axes: tuple[str | None, ...]) -> Array:
+  """Pins an activation's sharding by logical names when a mesh and rules are active.
+
+  The identity outside a mesh (notebooks, one device). A dimension the mesh axes do not
+  divide (e.g. a beam-search batch) is left to the compiler.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  rules = spmd.get_logical_axis_rules()
+  if mesh.empty or not rules:
+    return x
+  table = dict(rules)
+  spec, used = [], set()
+  for size, name in zip(x.shape, logical_axes):
+    target = table.get(name) if name is not None else None
+    axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    axes = tuple(a for a in axes if a not in used)  # e.g. 'embed' -> fsdp, taken by 'batch'
+    if axes and size % math.prod(mesh.shape[a] for a in axes):
+      axes = ()
+    used.update(axes)
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*spec))
+
+
+ACTIVATIONS = {
+    'gelu': jax.nn.gelu,  # tanh approximation (cheaper on CPU)
+    'gelu_exact': lambda x: jax.nn.gelu(x, approximate=False),  # erf, as BERT
+    'relu': jax.nn.relu,
+}
+
+
+def dense_2d(layer: nnx.Linear, x: Array) -> Array:
+  """`layer(x)` with batch and length merged into one dimension.
+
+  Same result; XLA:CPU then computes the weight gradient as one plain matrix product
+  instead of a two-dimension contraction it lays out badly (2x faster output layer).
+  """
+  y = layer(x.reshape(-1, x.shape[-1]))
+  return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def sinusoidal_positions(positions: Array, features: int) -> Array:
+  """Vaswani et al. (2017) section 3.5: `[..., length]` int -> `[..., length, features]`."""
+  half = features // 2
+  inv_freq = jnp.exp(-math.log(10_000.0) * jnp.arange(half, dtype=jnp.float32) / max(half, 1))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  table = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+  if features % 2:
+    table = jnp.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, 1)])
+  return table
+
+
+def logical(*axes: str | None) -> dict:
+  """Variable metadata naming a parameter's logical axes.
+
+  Metadata only (no eager sharding, which would need a mesh at construction): models build
+  anywhere, e.g. in a notebook, and the training loop shards them by these names.
+  """
+  return {'out_sharding': axes, 'eager_sharding': False}
+
+
+def _param(init, rngs: nnx.Rngs, shape, dtype, axes) -> nnx.Param:
+  return nnx.Param(init(rngs.params(), shape, dtype), **logical(*axes))
+
+
+class LayerNorm(nnx.LayerNorm):
+  """`nnx.LayerNorm` whose scale and bias carry the logical axis 'embed'."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    super().__init__(cfg.emb_dim, epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
+                     param_dtype=cfg.param_dtype, rngs=rngs,
+                     scale_metadata=logical('embed'),
+                     bias_metadata=logical('embed'))
+
+
+class TokenEmbedding(nnx.Module):
+  """Token embeddings, and their transpose as the output layer when tied."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.scale = math.sqrt(cfg.emb_dim) if cfg.scale_embeddings else 1.0
+    # N(0, 1/D): tied logits of a unit-variance (LayerNormed) input start with unit variance;
+    # scale_embeddings brings the input embeddings back to unit variance (Vaswani et al.).
+    self.embed = nnx.Embed(
+        cfg.vocab_size, cfg.emb_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        embedding_init=nnx.initializers.normal(cfg.emb_dim ** -0.5), rngs=rngs,
+        embedding_metadata=logical('vocab', 'embed'))
+
+  def __call__(self, tokens: Array) -> Array:
+    return self.embed(tokens) * jnp.asarray(self.scale, self.embed.dtype or jnp.float32)
+
+  def attend(self, x: Array) -> Array:
+    y = self.embed.attend(x.reshape(-1, x.shape[-1]))  # 2-D: see dense_2d
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class InputEmbedding(nnx.Module):
+  """Token (+ token type) + position embeddings, [LayerNorm for post-LN,] dropout."""
+
+  def __init__(self, cfg: TransformerConfig, tokens: TokenEmbedding, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.tokens = tokens  # shared with the output layer and, in translation, the other stack
+    # Optional parts are assigned once, module or None (NNX fixes an attribute's kind then).
+    self.position_table = _param(
+        nnx.initializers.normal(0.02), rngs, (cfg.max_length, cfg.emb_dim), cfg.param_dtype,
+        (None, 'embed')) if cfg.positions == 'learned' else None
+    self.token_types = nnx.Embed(
+        cfg.type_vocab_size, cfg.emb_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+        embedding_metadata=logical(None, 'embed')) if cfg.type_vocab_size else None
+    # BERT normalises the embedding sum; pre-LN models normalise inside every layer instead.
+    self.norm = LayerNorm(cfg, rngs=rngs) if cfg.norm == 'post' else None
+    self.dropout = nnx.Dropout(cfg.dropout_rate)
+
+  def __call__(self, tokens: Array, positions: Array, token_types: Array | None = None, *,
+               deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+    cfg = self.cfg
+    x = self.tokens(tokens)
+    if self.position_table is not None:
+      x = x + jnp.take(self.position_table[...], positions, axis=0).astype(x.dtype)
+    else:
+      x = x + sinusoidal_positions(positions, cfg.emb_dim).astype(x.dtype)
+    if self.token_types is not None:
+      types = jnp.zeros_like(tokens) if token_types is None else token_types
+      x = x + self.token_types(types)
+    if self.norm is not None:
+      x = self.norm(x)
+    x = self.dropout(x, deterministic=deterministic, rngs=rngs)
+    return constrain(x.astype(cfg.dtype), ('batch', 'length', 'embed'))
+
+
+class Mlp(nnx.Module):
+  """Position-wise feed-forward block: Dense(D->M), activation, dropout, Dense(M->D)."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.activation = ACTIVATIONS[cfg.activation]
+    dense = lambda d_in, d_out, axes: nnx.Linear(
+        d_in, d_out, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
+        kernel_init=nnx.initializers.xavier_uniform(),
+        kernel_metadata=logical(*axes), bias_metadata=logical(*axes[1:]))
+    self.wi = dense(cfg.emb_dim, cfg.mlp_dim, ('embed', 'mlp'))
+    self.wo = dense(cfg.mlp_dim, cfg.emb_dim, ('mlp', 'embed'))
+    self.dropout = nnx.Dropout(cfg.dropout_rate)
+
+  def __call__(self, x: Array, *, deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+    h = self.activation(dense_2d(self.wi, x))
+    h = constrain(h, ('batch', 'length', 'mlp'))
+    h = self.dropout(h, deterministic=deterministic, rngs=rngs)
+    return dense_2d(self.wo, h)
+
+
+def make_attention(cfg: TransformerConfig, attention: AttentionConfig, *,
+                   rngs: nnx.Rngs) -> MultiHeadAttention:
+  return MultiHeadAttention(
+      attention.num_heads, cfg.emb_dim, attention.qkv_features, cfg.emb_dim,
+      kind=attention.kind, head_dim=attention.head_dim, key_dim=attention.key_dim,
+      mixing_init=attention.mixing_init, logit_scale=attention.logit_scale,
+      gated=attention.gated, gate_temperature=attention.gate_temperature,
+      gate_log_alpha_init=attention.gate_log_alpha_init, dtype=cfg.dtype,
+      param_dtype=cfg.param_dtype, dropout_rate=attention.dropout_rate,
+      broadcast_dropout=False, keep_rngs=False, rngs=rngs)  # rngs come with each call
+
+
+class TransformerLayer(nnx.Module):
+  """Self-attention [+ encoder-decoder attention] + MLP, each a residual branch.
+
+  Pre-LN: `x + f(LN(x))`; post-LN (Vaswani, BERT): `LN(x + f(x))`.
+  """
+
+  def __init__(self, cfg: TransformerConfig, self_attention_type: str, cross: bool, *,
+               rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.self_attention = make_attention(cfg, cfg.attention(self_attention_type), rngs=rngs)
+    self.self_attention_norm = LayerNorm(cfg, rngs=rngs)
+    self.cross_attention = (make_attention(cfg, cfg.cross_attention, rngs=rngs)
+                            if cross else None)
+    self.cross_attention_norm = LayerNorm(cfg, rngs=rngs) if cross else None
+    self.mlp = Mlp(cfg, rngs=rngs)
+    self.mlp_norm = LayerNorm(cfg, rngs=rngs)
+    self.dropout = nnx.Dropout(cfg.dropout_rate)
+
+  def _residual(self, x, norm, branch, deterministic, rngs):
+    if self.cfg.norm == 'pre':
+      y, extra = branch(norm(x))
+      x = x + self.dropout(y, deterministic=deterministic, rngs=rngs)
+    else:
+      y, extra = branch(x)
+      x = norm(x + self.dropout(y, deterministic=deterministic, rngs=rngs))
+    return constrain(x, ('batch', 'length', 'embed')), extra
+
+  def __call__(self, x: Array, *, mask: Array | None, encoded: Array | None = None,
+               cross_mask: Array | None = None, deterministic: bool,
+               rngs: nnx.Rngs | None, decode: bool = False,
+               head_masks: tuple[Array | None, Array | None] = (None, None),
+               return_weights: bool = False) -> tuple[Array, dict[str, Array]]:
+    """Returns the new activations and `{'self': weights, 'cross': weights}` if requested."""
+    weights = {}
+
+    def attend(layer, name, head_mask, kv=None, kv_mask=None, decode=False):
+      def branch(h):
+        out = layer(h, kv, mask=kv_mask, deterministic=deterministic, rngs=rngs,
+                    decode=decode, head_mask=head_mask, return_weights=return_weights)
+        if return_weights:
+          out, weights[name] = out
+        return out, None
+      return branch
+
+    x, _ = self._residual(
+        x, self.self_attention_norm,
+        attend(self.self_attention, 'self', head_masks[0], kv_mask=mask, decode=decode),
+        deterministic, rngs)
+    if self.cross_attention is not None:
+      x, _ = self._residual(
+          x, self.cross_attention_norm,
+          attend(self.cross_attention, 'cross', head_masks[1], kv=encoded, kv_mask=cross_mask),
+          deterministic, rngs)
+    x, _ = self._residual(
+        x, self.mlp_norm, lambda h: (self.mlp(h, deterministic=deterministic, rngs=rngs), None),
+        deterministic, rngs)
+    return x, weights
+
+  def l0_penalty(self) -> Array:
+    total = self.self_attention.l0_penalty()
+    if self.cross_attention is not None:
+      total = total + self.cross_attention.l0_penalty()
+    return total

@@ -1,0 +1,58 @@
+"""Helpers for the training tests: load config files, shrink them, share prepared data."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load_config(name: str, variant: str = 'base'):
+  """`configs/<name>.py:<variant>` as the command line would load it."""
+  path = ROOT / 'configs' / f'{name}.py'
+  spec = importlib.util.spec_from_file_location(f'configs_{name}', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant)
+
+
+# A model small enough that a step costs milliseconds: tests exercise the machinery.
+SMALL_MODEL = {
+    'model.emb_dim': 32, 'model.mlp_dim': 64, 'model.attention.num_heads': 4,
+    'per_device_batch_size': 4, 'data.max_length': 32, 'model.max_length': 64,
+}
+
+
+def override(config, values):
+  for key, value in values.items():
+    node = config
+    *parents, leaf = key.split('.')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def cli_overrides(values) -> list[str]:
+  return [f'--config.{k}={v}' for k, v in values.items()]
+
+
+class Helpers:
+  root = ROOT
+  load_config = staticmethod(load_config)
+  override = staticmethod(override)
+  cli_overrides = staticmethod(cli_overrides)
+  small_model = SMALL_MODEL
+
+
+@pytest.fixture(scope='session')
+def helpers():
+  """The functions above (test modules cannot import a conftest by name)."""
+  return Helpers
+
+
+@pytest.fixture(scope='session')
+def tfds_dir(tmp_path_factory):
+  """One prepared-data directory for all tests (datasets are built once)."""
+  return str(tmp_path_factory.mktemp('tfds'))

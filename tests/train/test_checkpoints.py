@@ -1,0 +1,193 @@
+"""Checkpoints: exact resume after SIGKILL, save on SIGTERM, restore onto another mesh, NaN stop.
+
+The kill tests run the real command line in a subprocess on one CPU device.
+"""
+
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from lowrank_attn.train import checkpoints, train
+
+STEPS = 90
+
+
+def command(helpers, workdir, tfds_dir, steps=STEPS):
+  values = {**helpers.small_model, 'model.decoder.num_layers': 1, 'model.dropout_rate': 0.1,
+            'num_train_steps': steps, 'checkpoint_every_steps': 3, 'keep_checkpoints': 2,
+            'log_every_steps': 5, 'eval_every_steps': 0, 'num_eval_steps': 1,
+            'data.tfds_data_dir': tfds_dir, 'peak_flops_per_device': 1e11}
+  return [sys.executable, '-m', 'lowrank_attn.main', '--config=configs/lm.py:tiny',
+          f'--workdir={workdir}', *helpers.cli_overrides(values)]
+
+
+def start(helpers, cmd):
+  # One device: the command must not inherit the tests' 8 virtual devices.
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  return subprocess.Popen(cmd, cwd=helpers.root, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process, timeout=300):
+  out, _ = process.communicate(timeout=timeout)
+  return process.returncode, out
+
+
+def committed_steps(workdir) -> list[int]:
+  directory = pathlib.Path(workdir) / checkpoints.CHECKPOINT_DIR
+  if not directory.exists():
+    return []
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def wait_for_checkpoint(workdir, process, timeout=180):
+  deadline = time.time() + timeout
+  while not committed_steps(workdir):
+    assert process.poll() is None, process.communicate()[0]
+    assert time.time() < deadline, 'no checkpoint appeared'
+    time.sleep(0.05)
+
+
+@pytest.fixture(scope='module')
+def reference(helpers, tfds_dir, tmp_path_factory):
+  """Parameters after an uninterrupted run."""
+  workdir = tmp_path_factory.mktemp('uninterrupted')
+  rc, out = finish(start(helpers, command(helpers, workdir, tfds_dir)))
+  assert rc == 0, out
+  step, state = checkpoints.load_state(str(workdir))
+  assert step == STEPS
+  return state
+
+
+def assert_bitwise_equal(a, b):
+  flat_a, flat_b = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
+  assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+  for (path, x), (_, y) in zip(flat_a, flat_b):
+    assert x.dtype == y.dtype and np.array_equal(x, y), jax.tree_util.keystr(path)
+
+
+def kill_and_resume(helpers, workdir, tfds_dir, kills, rng):
+  """Kills the run `kills` times at random moments, then lets it finish; returns the last
+  committed step seen after each kill and the final output."""
+  cmd = command(helpers, workdir, tfds_dir)
+  seen = []
+  for _ in range(kills):
+    process = start(helpers, cmd)
+    wait_for_checkpoint(workdir, process)
+    time.sleep(rng.uniform(0.0, 0.8))  # an arbitrary moment: mid-step, mid-save, ...
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    seen.append(max(committed_steps(workdir)))
+  rc, out = finish(start(helpers, cmd))
+  assert rc == 0, out
+  return seen, out
+
+
+def test_sigkill_at_a_random_moment_then_resume_is_bitwise_exact(helpers, tfds_dir, tmp_path,
+                                                                reference):
+  (last_committed,), out = kill_and_resume(helpers, tmp_path, tfds_dir, kills=1,
+                                            rng=random.Random())
+  step, state = checkpoints.load_state(str(tmp_path))
+  assert step == STEPS
+  if last_committed < STEPS:  # (else the kill landed after the last step)
+    assert f'resumed from step {last_committed}' in out
+  assert_bitwise_equal(state['params'], reference['params'])
+  assert_bitwise_equal(state['opt_state'], reference['opt_state'])
+  # Only committed step directories remain; interrupted saves were cleaned up.
+  names = os.listdir(tmp_path / checkpoints.CHECKPOINT_DIR)
+  assert not [n for n in names if 'tmp' in n], names
+  assert (tmp_path / checkpoints.CONFIG_FILE).exists()
+
+
+@pytest.mark.slow
+def test_repeated_sigkills_then_resume_is_bitwise_exact(helpers, tfds_dir, tmp_path, reference):
+  seen, _ = kill_and_resume(helpers, tmp_path, tfds_dir, kills=4, rng=random.Random(1234))
+  assert min(seen) < STEPS
+  _, state = checkpoints.load_state(str(tmp_path))
+  assert_bitwise_equal(state['params'], reference['params'])
+
+
+def test_sigterm_saves_then_resume_is_exact(helpers, tfds_dir, tmp_path, reference):
+  cmd = command(helpers, tmp_path, tfds_dir)
+  process = start(helpers, cmd)
+  wait_for_checkpoint(tmp_path, process)
+  process.send_signal(signal.SIGTERM)
+  rc, out = finish(process)
+  if rc == 0:  # the run was already past its last step
+    pytest.skip('run finished before SIGTERM arrived')
+  assert rc == 143, out
+  assert 'preempted: saved step' in out
+  saved = int(out.split('preempted: saved step ')[1].split()[0])
+  assert saved in committed_steps(tmp_path)
+  rc, out = finish(start(helpers, cmd))
+  assert rc == 0 and f'resumed from step {saved}' in out, out
+  _, state = checkpoints.load_state(str(tmp_path))
+  assert_bitwise_equal(state['params'], reference['params'])
+
+
+def test_unfinished_saves_are_never_restored_and_are_cleaned_up(helpers, tmp_path):
+  config = helpers.override(helpers.load_config('lm', 'tiny'), helpers.small_model)
+  config.mesh.data = 1
+  s = train.setup(config, vocab_size=64, bos_id=1, devices=jax.devices()[:1])
+  state = train.create_state(s)
+  checkpointer = checkpoints.Checkpointer(str(tmp_path), keep=3)
+  checkpointer.save(4, state, {'position': 4})
+  checkpointer.close()
+  # What a save killed half-way leaves behind: a temporary directory with partial files.
+  partial = tmp_path / checkpoints.CHECKPOINT_DIR / '8.orbax-checkpoint-tmp-1700000000'
+  (partial / 'state').mkdir(parents=True)
+  (partial / 'state' / 'junk').write_bytes(b'half a tensor')
+  checkpointer = checkpoints.Checkpointer(str(tmp_path), keep=3)
+  assert checkpointer.latest_step() == 4
+  restored, data_state = checkpointer.restore(4, s.abstract_state)
+  assert data_state == {'position': 4} and int(restored['step']) == 0
+  checkpointer.save(8, restored, {'position': 8})  # the retried save of step 8 commits
+  checkpointer.close()
+  assert not partial.exists()  # (deleted in the background when the manager started)
+  assert committed_steps(tmp_path) == [4, 8]
+
+
+def test_restore_onto_a_different_mesh(helpers, tmp_path):
+  config = helpers.override(helpers.load_config('lm', 'tiny'), helpers.small_model)
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 8, 1, 1
+  saved = train.setup(config, vocab_size=64, bos_id=1)
+  state = train.create_state(saved)
+  checkpointer = checkpoints.Checkpointer(str(tmp_path), keep=1)
+  checkpointer.save(7, state, {'position': 42})
+  checkpointer.close()
+
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
+  target = train.setup(config, vocab_size=64, bos_id=1)
+  restored, data_state = checkpoints.Checkpointer(str(tmp_path)).restore(
+      7, target.abstract_state)
+  assert data_state == {'position': 42}
+  kernel = restored['params']['decoder']['layers'][0]['mlp']['wi']['kernel']
+  assert kernel.sharding == target.state_shardings['params']['decoder']['layers'][0]['mlp'][
+      'wi']['kernel']
+  assert kernel.addressable_shards[0].data.shape == (16, 32)  # fsdp x tensor
+  assert_bitwise_equal(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, state))
+
+
+def test_nan_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(
+    helpers, tfds_dir, tmp_path):
+  config = helpers.override(helpers.load_config('lm', 'tiny'), {
+      **helpers.small_model, 'model.decoder.num_layers': 1, 'data.tfds_data_dir': tfds_dir,
+      'num_train_steps': 20, 'checkpoint_every_steps': 1, 'log_every_steps': 10,
+      'peak_flops_per_device': 1e11,
+      # The first update makes parameters ~1e37; the next forward pass overflows.
+      'learning_rate': 1e37, 'warmup_steps': 0, 'lr_schedule': 'constant',
+      'grad_clip_norm': 0.0, 'async_checkpointing': True})
+  with pytest.raises(train.NonFiniteError, match=r'step 2: non-finite loss=nan') as error:
+    train.train_and_evaluate(config, str(tmp_path))
+  assert 'the last good checkpoint is step 1' in str(error.value)
+  assert committed_steps(tmp_path) == [1]
+  _, state = checkpoints.load_state(str(tmp_path))
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state['params']))

@@ -1,0 +1,91 @@
+"""The real loop on the tiny configs: the loss falls, metrics and configs are written."""
+
+import json
+import math
+import os
+
+import jax
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+from lowrank_attn.train import checkpoints, metrics, train
+
+
+def run_tiny(helpers, task, workdir, tfds_dir, **overrides):
+  """The tiny config with its global batch, spread over the tests' 8 CPU devices."""
+  config = helpers.load_config(task, 'tiny')
+  per_device = config.per_device_batch_size // jax.device_count()
+  helpers.override(config, {'data.tfds_data_dir': tfds_dir, 'per_device_batch_size': per_device,
+                            **overrides})
+  return config, train.train_and_evaluate(config, str(workdir))
+
+
+def read_jsonl(workdir):
+  with open(os.path.join(workdir, metrics.METRICS_FILE)) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope='module')
+def lm_run(helpers, tfds_dir, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('lm_tiny')
+  config, result = run_tiny(helpers, 'lm', workdir, tfds_dir)
+  return config, result, workdir
+
+
+@pytest.mark.parametrize('task,overrides', [
+    ('nmt', {'decode.num_examples': 16}),
+    pytest.param('mlm', {}, marks=pytest.mark.slow),
+])
+def test_tiny_configs_learn(task, overrides, helpers, tfds_dir, tmp_path):
+  config, result = run_tiny(helpers, task, tmp_path, tfds_dir, **overrides)
+  assert_learned(config, result, tmp_path)
+  if task == 'nmt':
+    assert 0.0 <= result['eval']['bleu_greedy'] <= 100.0
+    assert result['eval']['decoded_examples'] == 16
+
+
+def assert_learned(config, result, workdir):
+  lines = read_jsonl(workdir)
+  first = next(l for l in lines if l['split'] == 'train')
+  assert first['step'] == 1
+  final = result['eval']['loss']
+  assert result['step'] == config.num_train_steps
+  # Clearly lower than where it started, and far from guessing uniformly.
+  assert final < first['loss'] - 1.0, (first['loss'], final)
+  assert final < 0.75 * math.log(result['vocab_size']), final
+
+
+def test_lm_tiny_learns(lm_run):
+  config, result, workdir = lm_run
+  assert_learned(config, result, workdir)
+  assert result['throughput']['tokens_per_sec'] > 0 and 0 < result['throughput']['mfu'] < 1
+
+
+def test_metrics_tensorboard_and_config_are_written(lm_run):
+  config, _, workdir = lm_run
+  lines = read_jsonl(workdir)
+  assert [l['split'] for l in lines].count('hparams') == 1
+  train_steps = [l['step'] for l in lines if l['split'] == 'train']
+  assert train_steps[0] == 1 and train_steps[-1] == config.num_train_steps
+  assert {'loss', 'accuracy', 'grad_norm', 'learning_rate', 'steps_per_sec', 'tokens_per_sec',
+          'mfu'} <= set(lines[-2])
+  evals = [l for l in lines if l['split'] == 'eval']
+  assert {'loss', 'perplexity', 'accuracy'} <= set(evals[-1])
+
+  # tensorboard's own reader (no TensorFlow installed).
+  accumulator = event_accumulator.EventAccumulator(os.path.join(workdir, metrics.TENSORBOARD_DIR))
+  accumulator.Reload()
+  assert {'train/loss', 'train/mfu', 'eval/perplexity'} <= set(accumulator.Tags()['scalars'])
+  assert [e.step for e in accumulator.Scalars('train/loss')] == train_steps
+  assert '_hparams_/session_start_info' in accumulator.Tags()['tensors']
+
+  saved = json.load(open(os.path.join(workdir, checkpoints.CONFIG_FILE)))
+  assert saved['model']['emb_dim'] == config.model.emb_dim
+  assert saved['data']['name'] == 'tiny_shakespeare'
+
+
+def test_rerunning_a_finished_run_resumes_at_its_end(lm_run):
+  config, result, workdir = lm_run
+  again = train.train_and_evaluate(config, str(workdir))
+  assert again['step'] == result['step'] == config.num_train_steps
+  assert [l['split'] for l in read_jsonl(workdir)].count('hparams') == 1
