@@ -70,7 +70,7 @@ class FlaxLM(nnx.Module):
     self.out = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
 
   def __call__(self, tokens, segments):
-    x = self.embed(tokens) * jnp.sqrt(tokens.shape[-1] * 0 + self.embed.features)
+    x = self.embed(tokens) * jnp.sqrt(self.embed.features)
     x = x + self.positions[...][None, :tokens.shape[1]]
     mask = nnx.combine_masks(nnx.make_causal_mask(tokens),
                              nnx.make_attention_mask(segments, segments, jnp.equal))
