@@ -22,6 +22,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import flax
 from flax import nnx
 
 from lowrank_attn.nn import MultiHeadAttention
@@ -33,10 +34,9 @@ SHAPES = [  # (batch, length, D, heads)
     (8, 1024, 1024, 16),
 ]
 QUICK_SHAPES = [(8, 128, 256, 4), (8, 256, 512, 8)]
-EXTRA_SHAPES = [(16, 128, 512, 8)]
 
 
-def kinds(D: int, h: int, length: int) -> dict[str, dict]:
+def kinds(D: int, h: int) -> dict[str, dict]:
   """Our layer settings to time, by label."""
   return {
       'concat': dict(),
@@ -88,7 +88,7 @@ def bench_shape(batch, length, D, h, repeats, dtype, only=None):
   layers = {'flax.nnx': nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype,
                                                rngs=nnx.Rngs(0))}
   specs = {}
-  for label, options in kinds(D, h, length).items():
+  for label, options in kinds(D, h).items():
     if only and label != 'concat' and not any(o in label for o in only):
       continue
     layers[label] = MultiHeadAttention(h, D, dtype=dtype, rngs=nnx.Rngs(0), **options)
@@ -132,7 +132,7 @@ def main(argv=None):
       f'Attention layers, causal self-attention, {args.dtype}, {args.clock} time, median of '
       f'{args.repeats} interleaved repetitions.',
       f'Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
-      f'devices {jax.devices()}; jax {jax.__version__}, flax {nnx.__name__ and __import__("flax").__version__}.',
+      f'devices {jax.devices()}; jax {jax.__version__}, flax {flax.__version__}.',
       'Command: ' + ' '.join([os.path.basename(sys.executable), *sys.argv]),
       '',
       '| batch, length, D, heads | layer | forward ms | fwd / flax | fwd+bwd ms | fwd+bwd / flax '

@@ -408,7 +408,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   if is_causal:
     mask = attention.combine_masks(
         mask, attention.causal_mask(scores.shape[-2], scores.shape[-1]))
-  weights = attention.masked_softmax(scores, attention.combine_masks(mask))
+  weights = attention.masked_softmax(scores, mask)
   if module is not None:
     module.sow(nnx.Intermediate, 'attention_weights', weights)
   if not deterministic and dropout_rate > 0.0:
