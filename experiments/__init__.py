@@ -1,0 +1,1 @@
+"""Paper reproductions, one folder each; `experiments.runner` launches their grids of runs."""

@@ -1,0 +1,312 @@
+"""The experiment runner: resumable grids of tiny `python -c` commands, results, plots, tables."""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from experiments import runner
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def py(code, *args):
+  return [sys.executable, '-c', textwrap.dedent(code), *args]
+
+
+def count(path):
+  """A command that appends one character to `path`: how often it ran."""
+  return py(f'open({str(path)!r}, "a").write("x")')
+
+
+def grid_in_subprocess(runs, out_dir, runs_dir, wait=True):
+  """`run_grid` in its own process, so that a test can kill it (or a run can kill it)."""
+  code = textwrap.dedent(f'''
+      from experiments.runner import Run, run_grid
+      runs = [Run(name, command) for name, command in {runs!r}]
+      run_grid(runs, {str(out_dir)!r}, runs_dir={str(runs_dir)!r}, stop_timeout_s=10)
+  ''')
+  env = {**os.environ, 'PYTHONPATH': str(REPO_ROOT)}
+  args = dict(cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  if not wait:
+    return subprocess.Popen([sys.executable, '-c', code], **args)
+  return subprocess.run([sys.executable, '-c', code], timeout=30, **args)
+
+
+def wait_for(path, timeout=20.0):
+  deadline = time.monotonic() + timeout
+  while not path.exists():
+    assert time.monotonic() < deadline, f'{path} never appeared'
+    time.sleep(0.02)
+
+
+def names(results):
+  return [run['name'] for run in results['runs']]
+
+
+def test_killed_grid_resumes_without_repeating_finished_runs(tmp_path):
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  first, second = tmp_path / 'first.count', tmp_path / 'second.count'
+  # The second run kills the grid (like a lost session) on its first attempt only.
+  kill_grid_once = py(f'''
+      import os, signal
+      path = {str(second)!r}
+      attempt = len(open(path).read()) + 1 if os.path.exists(path) else 1
+      open(path, 'a').write('x')
+      if attempt == 1:
+        os.kill(os.getppid(), signal.SIGKILL)
+  ''')
+  runs = [('first', count(first)), ('second', kill_grid_once)]
+
+  killed = grid_in_subprocess(runs, out, runs_dir)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr
+  assert (runs_dir / 'first' / 'DONE').exists()
+  assert not (runs_dir / 'second' / 'DONE').exists()
+  results = runner.load_results(out)
+  assert names(results) == ['first'] and results['unfinished'] == ['second']
+
+  rerun = grid_in_subprocess(runs, out, runs_dir)
+  assert rerun.returncode == 0, rerun.stderr
+  assert first.read_text() == 'x'  # not repeated
+  assert second.read_text() == 'xx'  # run again, and finished
+  results = runner.load_results(out)
+  assert names(results) == ['first', 'second'] and results['unfinished'] == []
+  assert [run['attempts'] for run in results['runs']] == [1, 2]
+
+
+def test_sigterm_reaches_the_running_command_and_rerun_resumes_it(tmp_path):
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  first, second = tmp_path / 'first.count', tmp_path / 'second.count'
+  ready, saved = tmp_path / 'ready', tmp_path / 'saved'
+  # Like our training CLI: on SIGTERM, save a checkpoint and exit 143.
+  slow_once = py(f'''
+      import os, signal, sys, time
+      path = {str(second)!r}
+      attempt = len(open(path).read()) + 1 if os.path.exists(path) else 1
+      open(path, 'a').write('x')
+      if attempt == 1:
+        def save(signum, frame):
+          open({str(saved)!r}, 'w').write('checkpoint')
+          sys.exit(143)
+        signal.signal(signal.SIGTERM, save)
+        open({str(ready)!r}, 'w').close()
+        time.sleep(30)
+  ''')
+  runs = [('first', count(first)), ('second', slow_once)]
+
+  grid = grid_in_subprocess(runs, out, runs_dir, wait=False)
+  wait_for(ready)
+  grid.send_signal(signal.SIGTERM)
+  _, stderr = grid.communicate(timeout=20)
+  assert grid.returncode == 128 + signal.SIGTERM, stderr
+  assert 'interrupted by SIGTERM' in stderr
+  assert saved.read_text() == 'checkpoint'
+  assert not (runs_dir / 'second' / 'DONE').exists()
+  last = runner._read_jsonl(runs_dir / 'second' / runner.ATTEMPTS_FILE)[-1]
+  assert last['returncode'] == 143 and last['interrupted']
+  assert [s['state'] for s in runner.status(runs_dir)] == ['done', 'interrupted']
+
+  rerun = grid_in_subprocess(runs, out, runs_dir)
+  assert rerun.returncode == 0, rerun.stderr
+  assert (first.read_text(), second.read_text()) == ('x', 'xx')
+  resumed = runner.load_results(out)['runs'][1]
+  assert resumed['attempts'] == 2
+  assert resumed['wall_time_total_s'] > resumed['wall_time_s'] > 0  # the stopped attempt too
+
+
+def test_rerun_waits_for_a_command_that_outlived_its_killed_grid(tmp_path):
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  events, ready = tmp_path / 'events', tmp_path / 'ready'
+  # First attempt: when told to stop (the kernel's SIGTERM once the grid is gone), it takes a
+  # while to save before it exits. Its rerun must not start in the same directory meanwhile.
+  run = py(f'''
+      import os, signal, sys, time
+      path = {str(events)!r}
+      attempt = open(path).read().count('start') + 1 if os.path.exists(path) else 1
+      open(path, 'a').write(f'start{{attempt}} ')
+      if attempt == 1:
+        def save(signum, frame):
+          time.sleep(0.5)
+          open(path, 'a').write('saved1 ')
+          sys.exit(143)
+        signal.signal(signal.SIGTERM, save)
+        open({str(ready)!r}, 'w').close()
+        time.sleep(10)
+      open(path, 'a').write(f'end{{attempt}} ')
+  ''')
+  grid = grid_in_subprocess([('only', run)], out, runs_dir, wait=False)
+  wait_for(ready)
+  grid.kill()
+  grid.wait()
+  rerun = grid_in_subprocess([('only', run)], out, runs_dir)
+  assert rerun.returncode == 0, rerun.stderr
+  assert events.read_text().split() == ['start1', 'saved1', 'start2', 'end2']
+  assert 'waiting for only' in rerun.stdout
+
+
+def test_failed_run_is_reported_and_the_others_still_run(tmp_path, capsys):
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  counts = {name: tmp_path / f'{name}.count' for name in ('ok1', 'ok2')}
+  bad = py('''
+      import sys
+      print('loading data')
+      print('boom: out of memory', file=sys.stderr)
+      sys.exit(3)
+  ''')
+  runs = [runner.Run('ok1', count(counts['ok1'])), runner.Run('bad', bad),
+          runner.Run('missing', [str(tmp_path / 'no-such-program')]),
+          runner.Run('ok2', count(counts['ok2']))]
+
+  with pytest.raises(SystemExit) as exit_info:
+    runner.run_grid(runs, out, runs_dir=runs_dir)
+  assert '2 of 4 runs failed: bad (exit code 3' in str(exit_info.value.code)
+  err = capsys.readouterr().err
+  assert 'FAILED bad: exit code 3' in err and 'FAILED missing: could not start' in err
+  assert '| loading data' in err and '| boom: out of memory' in err
+  results = runner.load_results(out)
+  assert names(results) == ['ok1', 'ok2']
+  assert [f['name'] for f in results['failed']] == ['bad', 'missing']
+  assert [s['state'] for s in runner.status(runs_dir)] == ['failed', 'failed', 'done', 'done']
+
+  # Rerun: only the failed run is tried again.
+  results = runner.run_grid(runs, out, runs_dir=runs_dir, exit_on_failure=False)
+  assert [f['name'] for f in results['failed']] == ['bad', 'missing']
+  assert [p.read_text() for p in counts.values()] == ['x', 'x']
+  assert (runs_dir / 'bad' / 'log.txt').read_text().count('=== attempt') == 2
+
+  runner.main(['status', str(runs_dir)])
+  table = capsys.readouterr().out
+  assert '| bad | failed | 2 |  | 3 |' in table and '| ok1 | done | 1 |' in table
+
+
+RECORDING_RUN = '''
+    import json, pathlib, sys
+    rundir, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+    # What results.json held while this run was going: the runs finished before it.
+    seen = [run['name'] for run in json.loads((out / 'results.json').read_text())['runs']]
+    (rundir / 'result.json').write_text(json.dumps({'seen': seen}))
+    lines = [{'step': 0, 'split': 'hparams', 'lr': 1.0},
+             {'step': 1, 'split': 'train', 'loss': 3.0},
+             {'step': 2, 'split': 'train', 'loss': 2.5},
+             {'step': 2, 'split': 'train', 'loss': 2.0},  # again, after a resume
+             {'step': 2, 'split': 'eval', 'loss': 2.2}]
+    with open(rundir / 'metrics.jsonl', 'w') as f:
+      f.write(''.join(json.dumps(line) + '\\n' for line in lines) + '{"step": 3, "spl')
+'''
+
+
+def test_results_collected_after_each_run_and_from_done_files(tmp_path):
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  runs = [runner.Run(f'r{k}', py(RECORDING_RUN, '{rundir}', str(out)), config={'lr': k / 10},
+                     seed=k) for k in range(3)]
+  results = runner.run_grid(runs, out, runs_dir=runs_dir)
+
+  assert [run['result']['seen'] for run in results['runs']] == [[], ['r0'], ['r0', 'r1']]
+  first = results['runs'][0]
+  assert [(m['split'], m['step'], m['loss']) for m in first['metrics']] == [
+      ('eval', 2, 2.2), ('train', 1, 3.0), ('train', 2, 2.0)]
+  assert (first['seed'], first['config'], first['attempts']) == (0, {'lr': 0.0}, 1)
+  assert first['command'][-2:] == ['{rundir}', str(out)]  # the template, not the path
+  assert first['wall_time_s'] > 0
+  assert {'platform', 'cpu_count', 'jax', 'python'} <= set(first['machine'])
+  summary = runner.runs_summary(results)
+  assert re.match(r'3 runs, \d+ s of run time in all \(longest \d+ s\), on ', summary)
+  assert f"jax {first['machine']['jax']}" in summary and summary.count(' on ') == 1
+  assert runner.load_results(out) == results
+
+  # The work tree wiped, the run directories kept: results.json comes back, nothing reruns.
+  before = {p: p.stat().st_mtime_ns for p in runs_dir.glob('*/result.json')}
+  (out / 'results.json').unlink()
+  assert runner.run_grid(runs, out, runs_dir=runs_dir) == results
+  assert {p: p.stat().st_mtime_ns for p in runs_dir.glob('*/result.json')} == before
+
+  # A new collector for finished runs, without running them.
+  custom = [runner.Run(r.name, r.command, r.config, r.seed,
+                       collect=lambda d: {'final_loss': runner.read_metrics(d)[-1]['loss']})
+            for r in runs]
+  refreshed = runner.run_grid(custom, out, runs_dir=runs_dir, refresh=True)
+  assert [run['final_loss'] for run in refreshed['runs']] == [2.0, 2.0, 2.0]
+  assert 'metrics' not in refreshed['runs'][0] and refreshed['runs'][0]['seed'] == 0
+  assert {p: p.stat().st_mtime_ns for p in runs_dir.glob('*/result.json')} == before
+
+
+def test_runs_and_train_run_validate(tmp_path):
+  with pytest.raises(ValueError, match='names a directory'):
+    runner.Run('../up', ['true'])
+  with pytest.raises(ValueError, match='argv list'):
+    runner.Run('a', 'python -c pass')
+  with pytest.raises(ValueError, match='JSON'):
+    runner.Run('a', ['true'], config={'f': object()})
+  with pytest.raises(ValueError, match="repeated: \\['a'\\]"):
+    runner.run_grid([runner.Run('a', ['true'])] * 2, tmp_path)
+  run = runner.train_run('kd32-s1', 'configs/nmt.py:tiny', seed=1,
+                         overrides={'model.encoder.attention.key_dim': 32})
+  assert run.command[1:] == ('-m', 'lowrank_attn.main', '--config=configs/nmt.py:tiny',
+                             '--workdir={rundir}', '--config.seed=1',
+                             '--config.model.encoder.attention.key_dim=32')
+  assert run.config == {'config': 'configs/nmt.py:tiny', 'model.encoder.attention.key_dim': 32}
+  assert run.seed == 1
+
+
+RESULTS = {'runs': [
+    {'name': f'{kind}-d{dim}-s{seed}', 'seed': seed, 'config': {'kind': kind, 'dim': dim},
+     'wall_time_s': 1.0, 'result': {'params': dim * 10},
+     'metrics': [{'step': step, 'split': 'eval',
+                  'bleu': dim + [0, 1, 5][seed] + step + (kind == 'b')}
+                 for step in (1, 2)]}
+    for kind in ('a', 'b') for dim in (16, 8) for seed in (0, 1, 2)]}
+
+
+def test_final_history_aggregate_and_table():
+  rows = runner.final(RESULTS, split='eval')
+  assert rows[0] == {'name': 'a-d16-s0', 'seed': 0, 'kind': 'a', 'dim': 16, 'wall_time_s': 1.0,
+                     'params': 160, 'step': 2, 'split': 'eval', 'bleu': 18}
+  seven = pytest.approx(7 ** 0.5)
+  assert len(runner.history(RESULTS, 'eval')) == 24
+  agg = runner.aggregate(rows, by=['kind', 'dim'], values=['bleu'])
+  assert [(r['kind'], r['dim'], r['n']) for r in agg] == [
+      ('a', 16, 3), ('a', 8, 3), ('b', 16, 3), ('b', 8, 3)]
+  assert (agg[0]['bleu'], agg[0]['bleu_std'], agg[0]['bleu_min'], agg[0]['bleu_max']) == (
+      20.0, seven, 18.0, 23.0)
+  table = runner.markdown_table(agg[:2], [
+      'kind', ('key dim', 'dim'), ('BLEU', lambda r: f"{r['bleu']:.1f} ± {r['bleu_std']:.1f}"),
+      ('max', 'bleu_max'), ('note', lambda r: None)])
+  assert table == ('| kind | key dim | BLEU | max | note |\n'
+                   '|---|---|---|---|---|\n'
+                   '| a | 16 | 20.0 ± 2.6 | 23 |  |\n'
+                   '| a | 8 | 12.0 ± 2.6 | 15 |  |\n')
+
+
+def test_plot_lines_draws_mean_and_seed_spread(tmp_path):
+  rows = runner.final(RESULTS, split='eval') + [{'kind': 'a', 'dim': 4}]  # no bleu: left out
+  out = tmp_path / 'plots' / 'bleu.png'
+  series = runner.plot_lines(rows, x='dim', y='bleu', group='kind', out=out)
+  assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and out.stat().st_size > 5000
+  assert series['kind=a'] == {'x': [8, 16], 'mean': [12.0, 20.0], 'lo': [10.0, 18.0],
+                              'hi': [15.0, 23.0], 'n': [3, 3]}
+  assert series['kind=b']['mean'] == [13.0, 21.0]
+  curves = runner.plot_lines(runner.history(RESULTS, 'eval'), x='step', y='bleu',
+                             group=['kind', 'dim'], spread='std', out=tmp_path / 'curves.pdf')
+  seven = 7 ** 0.5
+  curve = curves['kind=b, dim=8']
+  assert (curve['x'], curve['mean'], curve['n']) == ([1, 2], [12.0, 13.0], [3, 3])
+  assert curve['lo'] == pytest.approx([12 - seven, 13 - seven])
+  assert curve['hi'] == pytest.approx([12 + seven, 13 + seven])
+  assert (tmp_path / 'curves.pdf').read_bytes()[:4] == b'%PDF'
+
+
+def test_write_section_replaces_only_between_markers(tmp_path):
+  readme = tmp_path / 'README.md'
+  readme.write_text('# X\n\n<!-- results -->\nold\n<!-- /results -->\n\nAfter.\n')
+  runner.write_section(readme, 'results', '| a |\n|---|\n')
+  assert readme.read_text() == (
+      '# X\n\n<!-- results -->\n| a |\n|---|\n<!-- /results -->\n\nAfter.\n')
+  with pytest.raises(ValueError, match='<!-- plots -->'):
+    runner.write_section(readme, 'plots', 'x')
