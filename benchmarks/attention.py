@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/attention.py                 # the table in the README
     .venv/bin/python benchmarks/attention.py --quick         # two small shapes
     .venv/bin/python benchmarks/attention.py --out results.md
+    .venv/bin/python benchmarks/attention.py --long --out benchmarks/results/attention_long.md
 
 For each shape (batch, length, D, heads) it times the jitted forward pass and forward+backward
 (gradients w.r.t. parameters and inputs) of a causal self-attention layer, as the median of
@@ -10,6 +11,12 @@ interleaved repetitions (flax, then each of ours, then flax again ...), so backg
 hits all alike. It prints each time, the ratio to flax's time, and the kind's analytic FLOP
 ratio to concat: a kind is as efficient as concat when its time ratio to concat is at most its
 FLOP ratio.
+
+`--long` times forward+backward for lengths 512 ... 8192 at a fixed batch and width: flax's
+layer and our materialising concat ('xla') against every kind in O(length) memory
+(`implementation='blockwise'`), with each program's peak temporary memory as XLA's compiler
+reports it (`compiled.memory_analysis().temp_size_in_bytes`, the buffers besides arguments and
+outputs). A program whose temporaries exceed --max_temp_gb is compiled and reported but not run.
 """
 
 import argparse
@@ -25,6 +32,8 @@ import jax.numpy as jnp
 import flax
 from flax import nnx
 
+from lowrank_attn import attention
+from lowrank_attn.attention import blockwise
 from lowrank_attn.nn import MultiHeadAttention
 
 SHAPES = [  # (batch, length, D, heads)
@@ -43,6 +52,24 @@ def kinds(D: int, h: int) -> dict[str, dict]:
       # Bhojanapalli et al. lift the bottleneck with head size ~ length; we time twice D/h.
       f'fixed_head d={2 * D // h}': dict(kind='fixed_head', head_dim=2 * D // h),
       # Cordonnier et al.: key width can drop 4x without loss.
+      f'collaborative Dk={D // 4}': dict(kind='collaborative', key_dim=D // 4),
+      f'collaborative Dk={D}': dict(kind='collaborative', key_dim=D),
+      'talking_heads': dict(kind='talking_heads'),
+      'concat + gates': dict(gated=True, deterministic=False),
+  }
+
+
+LONG_LENGTHS = (512, 1024, 2048, 4096, 8192)
+LONG_BATCH, LONG_D, LONG_HEADS = 2, 512, 8  # head_dim 64; flax fits up to L = 4096 in 4 GB
+
+
+def long_kinds(D: int, h: int) -> dict[str, dict]:
+  """Layer settings of the --long table (all but 'concat (xla)' blockwise), by label."""
+  return {
+      'concat (xla)': dict(implementation='xla'),
+      'concat': dict(),
+      f'grouped-query kv={h // 4}': dict(num_kv_heads=h // 4),
+      f'fixed_head d={2 * D // h}': dict(kind='fixed_head', head_dim=2 * D // h),
       f'collaborative Dk={D // 4}': dict(kind='collaborative', key_dim=D // 4),
       f'collaborative Dk={D}': dict(kind='collaborative', key_dim=D),
       'talking_heads': dict(kind='talking_heads'),
@@ -114,6 +141,105 @@ def bench_shape(batch, length, D, h, repeats, dtype, only=None):
   return rows
 
 
+def compile_kernel(layer, x, implementation, block_size):
+  """Jitted forward+backward of our layer's kernel with the given implementation, and the
+  compiled program's temporary bytes."""
+  spec, params = layer.spec, layer.kernel_params()
+  deterministic = not spec.gated
+
+  def loss(params, x, rng):
+    out = attention.multi_head_attention(
+        params, x, spec=spec, is_causal=True, rng=rng, deterministic=deterministic,
+        implementation=implementation, block_size=block_size).out
+    return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+  args = (params, x, jax.random.key(0))
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+  return (lambda: compiled(*args)), compiled.memory_analysis().temp_size_in_bytes
+
+
+def compile_flax(layer, x):
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+  def loss(params, x):
+    out = nnx.merge(graphdef, params, rest)(x, is_causal=True)
+    return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+  return (lambda: compiled(params, x)), compiled.memory_analysis().temp_size_in_bytes
+
+
+def causal_flops(spec, batch, length):
+  """Forward matmul FLOPs of causal attention: only the L(L+1)/2 visible pairs count."""
+  full, no_pairs = spec.flops(batch, length), spec.flops(batch, length, 0)
+  return no_pairs + (full - no_pairs) * (length + 1) / (2 * length)
+
+
+def bench_long(length, args, dtype):
+  batch, D, h = args.long_batch, args.long_dim, args.long_heads
+  x = jax.random.normal(jax.random.key(1), (batch, length, D), dtype)
+  programs, specs = {}, {}
+  programs['flax.nnx'] = compile_flax(
+      nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype, rngs=nnx.Rngs(0)), x)
+  for label, options in long_kinds(D, h).items():
+    options = dict(options)
+    implementation = options.pop('implementation', 'blockwise')
+    layer = MultiHeadAttention(h, D, dtype=dtype, rngs=nnx.Rngs(0), **options)
+    specs[label] = layer.spec
+    programs[label] = compile_kernel(layer, x, implementation, args.block_size)
+  runnable = {label: fn for label, (fn, temp) in programs.items()
+              if temp <= args.max_temp_gb * 2**30}
+  for fn in runnable.values():
+    jax.block_until_ready(fn())  # warm up
+  times = {label: [] for label in runnable}
+  for _ in range(args.repeats):  # interleaved, so drifting background load hits all alike
+    for label, fn in runnable.items():
+      times[label].append(time_once(fn))
+  median = {label: statistics.median(t) for label, t in times.items()}
+  concat_flops = causal_flops(specs['concat'], batch, length)
+  rows = []
+  for label, (_, temp) in programs.items():
+    flops = causal_flops(specs[label], batch, length) if label in specs else concat_flops
+    row = dict(label=label, temp_mb=temp / 2**20, train_ms=None, vs_flax=None, vs_concat=None,
+               flop_ratio=flops / concat_flops if label in specs else None, gflops=None)
+    if label in median:
+      t = median[label]
+      row.update(train_ms=1e3 * t, gflops=3 * flops / t / 1e9,
+                 vs_flax=t / median['flax.nnx'] if 'flax.nnx' in median else None,
+                 vs_concat=t / median['concat'])
+    rows.append(row)
+  return rows
+
+
+def main_long(args, dtype):
+  fmt = lambda value, spec: '' if value is None else format(value, spec)
+  lines = [
+      f'Long sequences: causal self-attention forward+backward (gradients w.r.t. parameters '
+      f'and inputs), batch {args.long_batch}, D = {args.long_dim}, {args.long_heads} heads, '
+      f'{args.dtype}, {args.clock} time, median of {args.repeats} interleaved repetitions. '
+      f"Ours: implementation='blockwise', block_size={args.block_size}, except 'concat (xla)' "
+      f"(materialising). Temp MB: XLA's compile-time temporary memory of the program "
+      f'(memory_analysis); programs above {args.max_temp_gb} GB are not run. FLOPs / concat '
+      'counts only visible (causal) token pairs; GFLOP/s = 3 x forward matmul FLOPs / time.',
+      f'Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
+      f'devices {jax.devices()}; jax {jax.__version__}, flax {flax.__version__}.',
+      'Command: ' + ' '.join([os.path.basename(sys.executable), *sys.argv]),
+      '',
+      '| length | layer | fwd+bwd ms | / flax | / concat | FLOPs / concat | temp MB | GFLOP/s |',
+      '|---|---|---|---|---|---|---|---|',
+  ]
+  print('\n'.join(lines), flush=True)
+  for length in args.lengths:
+    for row in bench_long(length, args, dtype):
+      line = (f"| {length} | {row['label']} | {fmt(row['train_ms'], '.0f') or 'not run'} | "
+              f"{fmt(row['vs_flax'], '.2f')} | {fmt(row['vs_concat'], '.2f')} | "
+              f"{fmt(row['flop_ratio'], '.2f')} | {row['temp_mb']:.0f} | "
+              f"{fmt(row['gflops'], '.0f')} |")
+      lines.append(line)
+      print(line, flush=True)
+  return lines
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--quick', action='store_true', help='two small shapes only')
@@ -124,10 +250,26 @@ def main(argv=None):
                       help="'cpu' sums the CPU time of all threads: steadier on a loaded machine")
   parser.add_argument('--only', help='comma-separated layer labels to time (flax and concat '
                       'are always timed)')
+  parser.add_argument('--long', action='store_true',
+                      help='forward+backward and memory at lengths 512 ... 8192 (see above)')
+  parser.add_argument('--lengths', type=lambda s: [int(v) for v in s.split(',')],
+                      default=list(LONG_LENGTHS), help='--long: comma-separated lengths')
+  parser.add_argument('--long_batch', type=int, default=LONG_BATCH)
+  parser.add_argument('--long_dim', type=int, default=LONG_D)
+  parser.add_argument('--long_heads', type=int, default=LONG_HEADS)
+  parser.add_argument('--block_size', type=int, default=blockwise.DEFAULT_BLOCK_SIZE)
+  parser.add_argument('--max_temp_gb', type=float, default=4.0,
+                      help='--long: do not run programs needing more temporary memory')
   args = parser.parse_args(argv)
   global clock
   clock = CLOCKS[args.clock]
   dtype = jnp.dtype(args.dtype)
+  if args.long:
+    lines = main_long(args, dtype)
+    if args.out:
+      with open(args.out, 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    return
   lines = [
       f'Attention layers, causal self-attention, {args.dtype}, {args.clock} time, median of '
       f'{args.repeats} interleaved repetitions.',

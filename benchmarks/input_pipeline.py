@@ -1,57 +1,89 @@
-"""Input-pipeline throughput: examples/s and tokens/s of the multi30k translation pipeline.
+"""Input pipeline of Multi30k translation: padding, throughput, and the training step it feeds.
 
     LOWRANK_ATTN_DATA=../shared/data .venv/bin/python benchmarks/input_pipeline.py \
         [--global_batch_size=64] [--max_length=64] [--num_workers=0] [--num_batches=300]
 
-Prints one line per measurement, then the rate of the training step it feeds: the nmt
-model of `configs/nmt.py` (Transformer-base; `--model=tiny` for the tiny one) on the same
-batches, through the training loop's own jitted step on one device. The pipeline must stay
-well ahead of the step: the last line is pipeline examples/s over step examples/s.
+Prints
+  1. padding: the share of padding tokens in training batches, one pair per row (padded) vs
+     several pairs per row (packed, `data.packing=True`), at each of --padding_lengths, with
+     the pairs per row and the share of training pairs too long for the row (dropped);
+  2. throughput (pairs/s and real tokens/s) of the training pipeline, padded and packed, for
+     each --num_workers;
+  3. the rate of the training step it feeds, on padded and on packed batches: the nmt model of
+     `configs/nmt.py` (Transformer-base; `--model=tiny` for the tiny one), through the training
+     loop's own compiled step on one device, and pipeline pairs/s over step pairs/s.
 """
 
-from __future__ import annotations
-
 import dataclasses
+import importlib.util
 import os
+import pathlib
 import tempfile
 import time
 
 from absl import app
 from absl import flags
+import numpy as np
 
 from lowrank_attn import data
 
-_BATCH = flags.DEFINE_integer("global_batch_size", 64, "Rows per batch.")
-_MAX_LENGTH = flags.DEFINE_integer("max_length", 64, "Tokens per side (nmt).")
-_VOCAB = flags.DEFINE_integer("vocab_size", 8000, "SentencePiece vocabulary.")
+_BATCH = flags.DEFINE_integer('global_batch_size', 64, 'Rows per batch.')
+_MAX_LENGTH = flags.DEFINE_integer('max_length', 64, 'Tokens per side (throughput, step).')
+_PADDING_LENGTHS = flags.DEFINE_multi_integer(
+    'padding_lengths', [64, 32], 'max_length values of the padding table.'
+)
+_PADDING_BATCHES = flags.DEFINE_integer('padding_batches', 100, 'Batches per padding row.')
+_VOCAB = flags.DEFINE_integer('vocab_size', 8000, 'SentencePiece vocabulary.')
 _WORKERS = flags.DEFINE_multi_integer(
-    "num_workers", [0, 2], "grain worker processes; one measurement per value.")
-_BATCHES = flags.DEFINE_integer("num_batches", 300, "Batches timed per measurement.")
-_MODEL = flags.DEFINE_enum("model", "base", ["base", "tiny", "none"],
-                           "configs/nmt.py variant whose training step is timed; none: skip.")
-_STEPS = flags.DEFINE_integer("train_steps", 5, "Training steps timed (after one to compile).")
+    'num_workers', [0, 2], 'grain worker processes; one measurement per value.'
+)
+_BATCHES = flags.DEFINE_integer('num_batches', 300, 'Batches timed per measurement.')
+_MODEL = flags.DEFINE_enum(
+    'model',
+    'base',
+    ['base', 'tiny', 'none'],
+    'configs/nmt.py variant whose training step is timed; none: skip.',
+)
+_STEPS = flags.DEFINE_integer('train_steps', 5, 'Training steps timed (after one to compile).')
 _WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Tokenizer cache and prepared data; None: a fresh temporary directory.")
+    'workdir', None, 'Tokenizer cache and prepared data; None: a fresh temporary directory.'
+)
+
+
+_ROWS = {False: 'padded', True: 'packed'}  # data.packing -> how rows hold pairs
 
 
 @dataclasses.dataclass(frozen=True)
 class Throughput:
   batches: int
-  examples: int
-  tokens: int  # non-padding tokens of inputs and targets
+  pairs: int
+  tokens: int  # real (non-padding) tokens of inputs and targets
   seconds: float
 
   @property
-  def examples_per_s(self) -> float:
-    return self.examples / self.seconds
+  def pairs_per_s(self) -> float:
+    return self.pairs / self.seconds
 
   @property
   def tokens_per_s(self) -> float:
     return self.tokens / self.seconds
 
   def __str__(self):
-    return (f"{self.examples_per_s:10,.0f} examples/s {self.tokens_per_s:12,.0f} tokens/s "
-            f"({self.batches} batches in {self.seconds:.2f} s)")
+    return (
+        f'{self.pairs_per_s:10,.0f} pairs/s {self.tokens_per_s:12,.0f} real tokens/s '
+        f'({self.batches} batches in {self.seconds:.2f} s)'
+    )
+
+
+def count_pairs(batch) -> int:
+  """Translation pairs in a batch: one per row with weight, or the segments of packed rows."""
+  if 'targets_segment_ids' in batch:
+    return int(batch['targets_segment_ids'].max(axis=1).sum())
+  return int(batch['weights'].any(axis=1).sum())
+
+
+def count_tokens(batch) -> int:
+  return int(np.count_nonzero(batch['inputs']) + np.count_nonzero(batch['targets']))
 
 
 def measure(batches, *, num_batches: int, warmup_batches: int = 10) -> Throughput:
@@ -59,84 +91,134 @@ def measure(batches, *, num_batches: int, warmup_batches: int = 10) -> Throughpu
   iterator = iter(batches)
   for _ in range(warmup_batches):  # worker start-up and first-read latency are not throughput
     next(iterator)
-  examples = tokens = 0
+  pairs = tokens = 0
   start = time.perf_counter()
   for _ in range(num_batches):
     batch = next(iterator)
-    examples += int(batch["weights"].any(axis=1).sum())
-    tokens += int((batch["inputs"] != 0).sum() + (batch["targets"] != 0).sum())
-  return Throughput(num_batches, examples, tokens, time.perf_counter() - start)
+    pairs += count_pairs(batch)
+    tokens += count_tokens(batch)
+  return Throughput(num_batches, pairs, tokens, time.perf_counter() - start)
 
 
-def translation_pipeline(workdir: str, *, num_workers: int) -> data.Pipeline:
+def translation_pipeline(
+    workdir: str, *, num_workers: int = 0, packing: bool = False, max_length: int | None = None
+) -> data.Pipeline:
   config = data.default_data_config(
-      name="multi30k", task="nmt", tokenizer="sentencepiece", vocab_size=_VOCAB.value,
-      max_length=_MAX_LENGTH.value, packing=False, num_workers=num_workers)
-  return data.make_pipeline(config, split="train", seed=0, global_batch_size=_BATCH.value,
-                            train=True, workdir=workdir)
+      name='multi30k',
+      task='nmt',
+      tokenizer='sentencepiece',
+      vocab_size=_VOCAB.value,
+      max_length=max_length or _MAX_LENGTH.value,
+      packing=packing,
+      num_workers=num_workers,
+  )
+  return data.make_pipeline(
+      config, split='train', seed=0, global_batch_size=_BATCH.value, train=True, workdir=workdir
+  )
+
+
+def dropped_share(pipeline: data.Pipeline) -> float:
+  """Share of training pairs with a side longer than max_length (training drops them)."""
+  encode = pipeline._encoder(truncate=False)  # pylint: disable=protected-access
+  source = pipeline.data_source
+  too_long = sum(
+      max(len(v) for v in encode(example).values()) > pipeline.max_length
+      for example in source.__getitems__(range(len(source)))
+  )
+  return too_long / len(source)
+
+
+def padding_table(workdir: str) -> None:
+  print(
+      f'padding share of training batches (first {_PADDING_BATCHES.value} batches of '
+      f'{_BATCH.value} rows):'
+  )
+  for max_length in _PADDING_LENGTHS.value:
+    for packing in (False, True):
+      pipeline = translation_pipeline(workdir, packing=packing, max_length=max_length)
+      fraction = pipeline.padding_fraction(_PADDING_BATCHES.value)
+      batches = [next(pipeline) for _ in range(10)]
+      per_row = sum(count_pairs(b) for b in batches) / (10 * pipeline.batch_size)
+      print(
+          f'  max_length {max_length:3d} {_ROWS[packing]}: padding '
+          f'{100 * fraction["inputs"]:4.1f}% of inputs, {100 * fraction["targets"]:4.1f}% of '
+          f'targets; {per_row:.2f} pairs per row; pairs too long (dropped) '
+          f'{100 * dropped_share(pipeline):.2f}%'
+      )
 
 
 def measure_train_step(pipeline: data.Pipeline, variant: str, num_steps: int) -> Throughput:
-  """Examples/s of the real nmt training step on this pipeline's batches (one device)."""
-  import importlib.util
-  import pathlib
+  """Pairs/s of the real nmt training step on this pipeline's batches (one device)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from lowrank_attn import train  # pylint: disable=g-import-not-at-top
 
-  import jax
-  from lowrank_attn.train import sharding, train
-
-  path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "nmt.py"
-  spec = importlib.util.spec_from_file_location("nmt_config", path)
+  path = pathlib.Path(__file__).resolve().parents[1] / 'configs' / 'nmt.py'
+  spec = importlib.util.spec_from_file_location('nmt_config', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config(variant)
   config.per_device_batch_size = _BATCH.value
   config.data.max_length = _MAX_LENGTH.value
+  config.data.packing = pipeline.config.packing
   config.mesh.data = 1
   tokenizer = pipeline.tokenizer
-  devices = jax.devices()[:1]
-  s = train.setup(config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id,
-                  devices=devices)
+  s = train.setup(
+      config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id, devices=jax.devices()[:1]
+  )
   state = train.create_state(s)
-  batch = next(pipeline)
-  step, _, shardings = train.compile_steps(s, {k: v.shape for k, v in batch.items()})
+  # Compiled from the element spec, before any batch is read (as the training loop does).
+  step, _ = train.compile_steps(s, pipeline.element_spec)
   key = jax.random.key(0)
-  batches = [sharding.global_batch(next(pipeline), shardings, 1) for _ in range(num_steps + 1)]
-  state, metrics = train._run_step(step, state, batches[0], key, s=s)  # compiles
-  jax.block_until_ready(metrics)
-  start = time.perf_counter()
-  for batch in batches[1:]:
-    state, metrics = train._run_step(step, state, batch, key, s=s)
-  jax.block_until_ready(metrics)
+  host = [next(pipeline) for _ in range(num_steps + 1)]
+  batches = [s.global_batch(b) for b in host]
+  with s.activate():
+    state, metrics = step(state, batches[0], key)  # the first step is not timed
+    jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    for batch in batches[1:]:
+      state, metrics = step(state, batch, key)
+    jax.block_until_ready(metrics)
   seconds = time.perf_counter() - start
-  examples = sum(int(b["weights"].any(axis=1).sum()) for b in batches[1:])
-  tokens = sum(int((b["inputs"] != 0).sum() + (b["targets"] != 0).sum()) for b in batches[1:])
-  return Throughput(num_steps, examples, tokens, seconds)
+  return Throughput(
+      num_steps, sum(map(count_pairs, host[1:])), sum(map(count_tokens, host[1:])), seconds
+  )
 
 
 def main(argv):
   del argv
-  workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="input_pipeline_bench_")
-  print(f"multi30k en→de, sentencepiece {_VOCAB.value}, global batch {_BATCH.value}, "
-        f"max_length {_MAX_LENGTH.value}, {os.cpu_count()} CPUs, workdir {workdir}")
+  workdir = _WORKDIR.value or tempfile.mkdtemp(prefix='input_pipeline_bench_')
+  print(
+      f'multi30k en→de, sentencepiece {_VOCAB.value}, global batch {_BATCH.value}, '
+      f'{os.cpu_count()} CPUs, workdir {workdir}'
+  )
   start = time.perf_counter()
-  translation_pipeline(workdir, num_workers=0)  # prepares the dataset, trains the tokenizer
-  print(f"setup (prepare multi30k + train tokenizer, first run only): "
-        f"{time.perf_counter() - start:.1f} s")
-  fastest = None
-  for num_workers in _WORKERS.value:
-    pipeline = translation_pipeline(workdir, num_workers=num_workers)
-    result = measure(pipeline, num_batches=_BATCHES.value)
-    pipeline.close()
-    print(f"num_workers={num_workers}: {result}")
-    if fastest is None or result.examples_per_s > fastest.examples_per_s:
-      fastest = result
-  if _MODEL.value != "none":
-    pipeline = translation_pipeline(workdir, num_workers=0)
-    step = measure_train_step(pipeline, _MODEL.value, _STEPS.value)
-    print(f"training step (configs/nmt.py:{_MODEL.value}, 1 device): {step}")
-    print(f"pipeline / training step: {fastest.examples_per_s / step.examples_per_s:.0f}x "
-          "(examples/s; > 1: the input keeps ahead)")
+  translation_pipeline(workdir)  # prepares the dataset, trains the tokenizer
+  print(
+      f'setup (prepare multi30k + train tokenizer, first run only): '
+      f'{time.perf_counter() - start:.1f} s'
+  )
+  padding_table(workdir)
+  print(f'throughput at max_length {_MAX_LENGTH.value}:')
+  fastest = {}  # packing -> the fastest pipeline measurement
+  for packing in (False, True):
+    for num_workers in _WORKERS.value:
+      pipeline = translation_pipeline(workdir, num_workers=num_workers, packing=packing)
+      result = measure(pipeline, num_batches=_BATCHES.value)
+      pipeline.close()
+      print(f'  {_ROWS[packing]}, num_workers={num_workers}: {result}')
+      if packing not in fastest or result.pairs_per_s > fastest[packing].pairs_per_s:
+        fastest[packing] = result
+  if _MODEL.value != 'none':
+    for packing in (False, True):
+      step = measure_train_step(
+          translation_pipeline(workdir, packing=packing), _MODEL.value, _STEPS.value
+      )
+      print(
+          f'training step (configs/nmt.py:{_MODEL.value}, {_ROWS[packing]} batches, '
+          f'1 device): {step}; the pipeline keeps '
+          f'{fastest[packing].pairs_per_s / step.pairs_per_s:.0f}x ahead (pairs/s)'
+      )
 
 
-if __name__ == "__main__":  # grain worker processes re-import this module
+if __name__ == '__main__':  # grain worker processes re-import this module
   app.run(main)

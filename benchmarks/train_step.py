@@ -6,7 +6,7 @@
 
 Both models have the same sizes, pre-LayerNorm blocks, untied output layer, AdamW with
 gradient clipping, and no dropout. Ours is timed through the real training path
-(`lowrank_attn.train.train.setup` / `compile_steps`: sharded init, jit with in/out shardings
+(`lowrank_attn.train.setup` / `compile_steps`: sharded init, jit with in/out shardings
 and donation, one-device mesh); the baseline is `nnx.Embed` + `nnx.MultiHeadAttention` +
 `nnx.Linear` + `nnx.LayerNorm` with a hand-written step of the same math. Steps alternate
 (ours, flax, ours, ...) so background load hits both alike; the median step time is reported.
@@ -16,7 +16,6 @@ peak, where the peak is the float32 matmul FLOP/s measured at the start of the s
 """
 
 import argparse
-import functools
 import platform
 import statistics
 import time
@@ -27,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowrank_attn.train import config as config_lib, metrics, sharding, train
+from lowrank_attn import sharding, train
+from lowrank_attn.train import config as config_lib, metrics
 
 
 def our_config(args):
@@ -35,7 +35,7 @@ def our_config(args):
   config.model.emb_dim = args.dim
   config.model.mlp_dim = 4 * args.dim
   config.model.attention.num_heads = args.heads
-  config.model.decoder.num_layers = args.layers
+  config.model.num_decoder_layers = args.layers
   config.model.max_length = args.length
   config.model.dropout_rate = 0.0
   config.model.tie_embeddings = False
@@ -122,11 +122,11 @@ def main():
   config = our_config(args)
   s = train.setup(config, vocab_size=args.vocab, bos_id=1, devices=devices)
   ours_state = train.create_state(s)
-  ours_step, _, shardings = train.compile_steps(s, {k: v.shape for k, v in batch.items()})
-  ours_batch = sharding.global_batch(batch, shardings, 1)
+  ours_step, _ = train.compile_steps(s, batch)
+  ours_batch = s.global_batch(batch)
   key = jax.random.key(0)
-  run_ours = functools.partial(train._run_step, ours_step, s=s)
-  flops = 3 * s.flops_fn({k: v.shape for k, v in batch.items()})
+  run_ours = ours_step
+  flops = 3 * s.flops({k: v.shape for k, v in batch.items()})
 
   # The flax baseline, same optimizer.
   model = FlaxLM(args.vocab, args.dim, args.heads, args.layers, args.length, nnx.Rngs(0))

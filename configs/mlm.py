@@ -50,27 +50,14 @@ def get_config(variant: str = 'base'):
   config.num_eval_steps = 50
 
   if variant == 'tiny':
+    config_lib.shrink(config)
     config.data.name = 'tiny_shakespeare'
     config.data.tokenizer = 'sentencepiece'
     config.data.vocab_size = 1_000
-    config.num_train_steps = 100
-    config.per_device_batch_size = 32
-    config.model.max_length = 128
-    config.model.emb_dim = 128
-    config.model.mlp_dim = 512
-    config.model.attention.num_heads = 4
-    config.model.encoder.num_layers = 2
     config.model.norm = 'pre'  # post-LN needs a long warmup; pre-LN learns in 100 steps
     config.model.scale_embeddings = True
     config.model.type_vocab_size = 0
-    config.model.dropout_rate = 0.0
-    config.learning_rate = 3e-3
     config.lr_schedule = 'cosine'
-    config.warmup_steps = 10
-    config.log_every_steps = 10
-    config.eval_every_steps = 0  # only at the end
-    config.checkpoint_every_steps = 50
-    config.num_eval_steps = 4
   elif variant != 'base':
     raise ValueError(f'configs/mlm.py: unknown variant {variant!r}; valid: base, tiny.')
   return config

@@ -16,7 +16,7 @@ only sets what differs for the task. Variants: `configs/nmt.py:<variant>`.
         Result: not measured yet.
 
 Per attention type, e.g. collaborative keys in the encoder only, gates on all three:
-  --config.model.encoder.attention.kind=collaborative --config.model.attention.gated=True
+  --config.model.encoder_attention.kind=collaborative --config.model.attention.gated=True
 """
 
 from lowrank_attn.train import config as config_lib
@@ -45,25 +45,10 @@ def get_config(variant: str = 'base'):
   config.decode.num_examples = -1  # the whole validation split (1,014 sentences)
 
   if variant == 'tiny':
-    config.num_train_steps = 100
-    config.per_device_batch_size = 32
+    config_lib.shrink(config, length=32)
     config.data.vocab_size = 2_000
-    config.data.max_length = 32
     config.model.max_length = 48
     config.decode.max_length = 40
-    config.model.emb_dim = 128
-    config.model.mlp_dim = 512
-    config.model.attention.num_heads = 4
-    config.model.encoder.num_layers = 2
-    config.model.decoder.num_layers = 2
-    config.model.dropout_rate = 0.0
-    config.label_smoothing = 0.0
-    config.learning_rate = 3e-3
-    config.warmup_steps = 10
-    config.log_every_steps = 10
-    config.eval_every_steps = 0  # only at the end
-    config.checkpoint_every_steps = 50
-    config.num_eval_steps = 4
     config.decode.beam_size = 1  # greedy
     config.decode.num_examples = 64
   elif variant != 'base':

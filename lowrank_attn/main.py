@@ -1,6 +1,6 @@
 """Command line: `python -m lowrank_attn.main --config=configs/nmt.py:tiny --workdir=/tmp/run`.
 
-Overrides: `--config.model.encoder.attention.kind=collaborative --config.num_train_steps=500`.
+Overrides: `--config.model.encoder_attention.kind=collaborative --config.num_train_steps=500`.
 Rerunning the same command resumes from the latest checkpoint in --workdir. Exit status: 0
 done, 1 invalid config or NaN/inf, 143 preempted (SIGTERM) after saving a checkpoint.
 """

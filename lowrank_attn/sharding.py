@@ -7,8 +7,13 @@ One mesh with axes `('data', 'fsdp', 'tensor')`:
   tensor  Megatron-style model parallelism over heads, MLP width and vocabulary.
 
 Models only name the logical axes of their parameters (`vocab, embed, mlp, heads, kv, key,
-layers`) and of a few activations (`batch, length`). The rules that map logical names to mesh
-axes live in the config (maxtext style), so a new parallelism layout is a config change.
+layers`; `logical_metadata`) and of a few activations (`batch, length`; `constrain`). The rules
+that map logical names to mesh axes live in the config (maxtext style), so a new parallelism
+layout is a config change; `logical_to_spec` is the one resolver of names to mesh axes.
+
+Parameters are never sharded eagerly at construction (`logical_metadata` says so on every
+parameter): models build anywhere, e.g. in a notebook without a mesh, and the training loop
+creates the state directly in its shards with one jitted init (`create_sharded`).
 
 All mesh axes are `AxisType.Auto`: shardings are given at the jit boundary
 (`in_shardings` / `out_shardings`) and by a few `with_sharding_constraint`s on activations, and
@@ -17,11 +22,13 @@ kernels state its output sharding, which they do not (and need not) do.
 """
 
 from collections.abc import Callable, Mapping, Sequence
+import contextlib
 import math
 from typing import Any
 
 from absl import logging
 from flax import nnx
+from flax.core import spmd
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
@@ -89,19 +96,50 @@ def validate_rules(rules: Sequence[Sequence[Any]]) -> Rules:
   return tuple(out)
 
 
+def logical_metadata(*axes: str | None) -> dict[str, Any]:
+  """Variable metadata naming a parameter's logical axes (one name or None per dimension)."""
+  return {'out_sharding': axes, 'eager_sharding': False}
+
+
+@contextlib.contextmanager
+def use(mesh, rules: Rules):
+  """The mesh and logical rules in effect: jitted steps and `constrain` read them."""
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    yield
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Pins an activation's sharding by logical names when a mesh and rules are active.
+
+  The identity outside a mesh (notebooks, one device). A dimension the mesh axes do not
+  divide (e.g. a beam-search batch) is left to the compiler.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  rules = spmd.get_logical_axis_rules()  # those of the enclosing nnx.logical_axis_rules
+  if mesh.empty or not rules:
+    return x
+  spec = logical_to_spec(logical_axes, tuple(rules), x.shape, mesh, quiet=True)
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
 def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, shape=None, mesh=None,
-                    what: str = 'array') -> P:
+                    what: str = 'array', quiet: bool = False) -> P:
   """PartitionSpec for an array whose dimensions carry `logical_axes`.
 
   With `shape` and `mesh`, a dimension that the mesh axes do not divide evenly is replicated
   instead (e.g. a 65-character vocabulary on tensor=2): jit rejects uneven shardings, and a
-  replicated embedding is the right answer for such small dimensions anyway.
+  replicated embedding is the right answer for such small dimensions anyway. A mesh axis
+  shards one dimension at most (e.g. 'embed' -> fsdp is skipped when 'batch' holds fsdp).
+  `quiet`: names without a rule are replicated instead of an error (activations).
   """
   table = dict(rules)
   spec = []
   used = set()
   for dim, name in enumerate(logical_axes):
     if name is None:
+      spec.append(None)
+      continue
+    if name not in table and quiet:
       spec.append(None)
       continue
     if name not in table:
@@ -113,7 +151,9 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, shape=None
     axes = tuple(a for a in axes if a not in used)  # a mesh axis may shard one dim only
     if shape is not None and mesh is not None and axes:
       size = math.prod(mesh.shape[a] for a in axes)
-      if shape[dim] % size:
+      if shape[dim] % size and quiet:
+        axes = ()
+      elif shape[dim] % size:
         logging.info('%s: dim %d (%s, size %d) is not divisible by mesh axes %s (%d); '
                      'replicating it.', what, dim, name, shape[dim], axes, size)
         axes = ()
@@ -153,8 +193,7 @@ def create_sharded(init_fn: Callable[[], Any], shardings: Any) -> Any:
 
   No parameter is ever materialised whole on one device (unlike init + device_put).
   """
-  with nnx.use_eager_sharding(False):
-    return jax.jit(init_fn, out_shardings=shardings)()
+  return jax.jit(init_fn, out_shardings=shardings)()
 
 
 def batch_spec(rules: Rules, ndim: int) -> P:
@@ -164,13 +203,6 @@ def batch_spec(rules: Rules, ndim: int) -> P:
 
 def batch_shardings(batch_shapes: Mapping[str, tuple[int, ...]], mesh, rules: Rules):
   return {k: NamedSharding(mesh, batch_spec(rules, len(s))) for k, s in batch_shapes.items()}
-
-
-def batch_divisor(mesh, rules: Rules) -> int:
-  """How many ways the batch dimension is split: the global batch must be a multiple."""
-  axes = batch_spec(rules, 1)[0]
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-  return math.prod(mesh.shape[a] for a in axes)
 
 
 def global_batch(local_batch: Mapping[str, np.ndarray], shardings: Mapping[str, NamedSharding],

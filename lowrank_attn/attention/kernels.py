@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lowrank_attn.attention import core
+from lowrank_attn.attention import blockwise, core
 from lowrank_attn.attention.spec import AttentionSpec
 
 Array = jax.Array
@@ -26,6 +26,7 @@ class AttentionOutput(NamedTuple):
   out: Array  # [batch..., q_length, out_features]
   weights: Array | None  # [batch..., heads, q_length, kv_length] float32, if requested
   cache: dict[str, Array] | None  # the updated decoding cache, if one was given
+  logits: Array | None = None  # [batch..., heads, q_length, kv_length] float32, if requested
 
 
 # --------------------------------------------------------------------------- logits per kind
@@ -209,12 +210,15 @@ def multi_head_attention(
     head_mask: Array | None = None,
     cache: dict[str, Array] | None = None,
     rng: Array | None = None,
-    dropout_rate: float = 0.0,
+    dropout_rate: float | None = None,
     broadcast_dropout: bool = True,
     deterministic: bool = True,
     return_weights: bool = False,
+    return_logits: bool = False,
     dtype=None,
     precision=None,
+    implementation: str = 'xla',
+    block_size: int = blockwise.DEFAULT_BLOCK_SIZE,
 ) -> AttentionOutput:
   """Multi-head attention of kind `spec.kind`.
 
@@ -234,23 +238,35 @@ def multi_head_attention(
       `cache['index']`; the query at step t sees cached keys 0..t. Returned updated.
     rng: PRNG key for attention dropout and, when gated, gate noise (needed when not
       deterministic and either is active).
-    dropout_rate: attention dropout probability, in [0, 1).
+    dropout_rate: attention dropout probability, in [0, 1); default `spec.dropout_rate`.
     broadcast_dropout: one dropout mask shared over batch and heads (as flax).
     deterministic: no dropout, and evaluation-mode (deterministic) gates.
     return_weights: also return the attention weights (after talking-heads mixing, before
       dropout).
+    return_logits: also return the pre-softmax logits (scaled, after talking-heads
+      pre-softmax mixing, before masking): their rank is what Bhojanapalli et al. bound.
     dtype: computation dtype; default: promoted from the inputs and parameters. Logits and
       the softmax are always float32.
     precision: `jax.lax.Precision` of the matrix products.
+    implementation: 'xla' materialises `[batch..., heads, q_length, kv_length]`; 'blockwise'
+      computes the same in O(length) memory (online softmax over key blocks, recomputing
+      backward; dropout masks differ); 'cudnn' (GPU) and 'splash' (TPU) call fused kernels
+      where the kind allows. See `lowrank_attn.attention.blockwise`.
+    block_size: queries and keys per block of 'blockwise'.
   """
   inputs_k = inputs_q if inputs_k is None else inputs_k
   inputs_v = inputs_k if inputs_v is None else inputs_v
   _check_inputs(params, spec, inputs_q, inputs_k, inputs_v, cache)
+  dropout_rate = spec.dropout_rate if dropout_rate is None else dropout_rate
   if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f'dropout_rate={dropout_rate!r} must be in [0, 1).')
   stochastic = not deterministic and (dropout_rate > 0.0 or spec.gated)
   if stochastic and rng is None:
     raise ValueError('rng is required when deterministic=False and dropout_rate > 0 or gated.')
+  blockwise.check_implementation(
+      implementation, spec, block_size=block_size, return_weights=return_weights,
+      return_logits=return_logits, dropout=not deterministic and dropout_rate > 0.0,
+      mask=mask is not None, cache=cache is not None, dtype=dtype)
 
   if dtype is None:
     dtype = jnp.result_type(inputs_q, inputs_k, inputs_v,
@@ -270,23 +286,32 @@ def multi_head_attention(
     cache = _append_to_cache(cache, key, value, content_bias, length_axis)
     key, value, content_bias = cache['key'], cache['value'], cache.get('content_bias')
     mask = core.combine_masks(mask, step_mask)
-  elif is_causal:
+  elif is_causal and implementation == 'xla':  # the others build causal masks per block
     mask = core.combine_masks(mask, core.causal_mask(inputs_q.shape[-2], inputs_k.shape[-2]))
 
-  scores = logits(params, spec, query, key, content_bias, precision)
-  if mask is not None:
-    mask = jnp.asarray(mask).astype(bool)
-    core.check_broadcastable('mask', mask.shape, scores.shape,
-                             '[batch..., heads, q_length, kv_length]')
-  weights = core.masked_softmax(scores, mask)
-  if spec.kind == 'talking_heads':
-    weights = mix_heads(weights, params['post_softmax_mixing'].astype(jnp.float32), precision)
-    if mask is not None:  # heads with different masks must not leak weight onto hidden keys
-      weights = weights * mask
-  returned_weights = weights if return_weights else None
-  if not deterministic and dropout_rate > 0.0:
-    weights = core.dropout(weights, rng, dropout_rate, broadcast_dropout)
-  heads = core.weighted_sum(weights, value, precision)  # [..., q, h, d]
+  if implementation != 'xla':  # [..., q, h, d], never materialising [..., h, q, k]
+    heads = blockwise.attend(
+        params, spec, query, key, value, content_bias, mask=mask,
+        is_causal=is_causal and cache is None,
+        rng=rng if not deterministic and dropout_rate > 0.0 else None,
+        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
+        implementation=implementation, block_size=block_size, precision=precision)
+    scores = returned_weights = None
+  else:
+    scores = logits(params, spec, query, key, content_bias, precision)
+    if mask is not None:
+      mask = jnp.asarray(mask).astype(bool)
+      core.check_broadcastable('mask', mask.shape, scores.shape,
+                               '[batch..., heads, q_length, kv_length]')
+    weights = core.masked_softmax(scores, mask)
+    if spec.kind == 'talking_heads':
+      weights = mix_heads(weights, params['post_softmax_mixing'].astype(jnp.float32), precision)
+      if mask is not None:  # heads with different masks must not leak weight onto hidden keys
+        weights = weights * mask
+    returned_weights = weights if return_weights else None
+    if not deterministic and dropout_rate > 0.0:
+      weights = core.dropout(weights, rng, dropout_rate, broadcast_dropout)
+    heads = core.weighted_sum(weights, value, precision)  # [..., q, h, d]
 
   head_scale = head_mask
   if head_scale is not None:
@@ -301,4 +326,4 @@ def multi_head_attention(
     heads = heads * jnp.asarray(head_scale, dtype)[..., None, :, None]
 
   out = _dense(heads, params['out_kernel'], params.get('out_bias'), precision, in_axes=2)
-  return AttentionOutput(out, returned_weights, cache)
+  return AttentionOutput(out, returned_weights, cache, scores if return_logits else None)

@@ -20,12 +20,24 @@ def _require_positive_int(name: str, value) -> None:
     raise ValueError(f'{name}={value!r} must be an integer >= 1.')
 
 
+MIXING_INITS = ('concatenate', 'all_ones', 'random')
+SIZE_FIELDS = ('in_features', 'out_features', 'in_kv_features')  # set by the model, not a config
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-  """Sizes and options of one multi-head attention layer.
+  """Every setting of one multi-head attention layer: the one schema of attention options.
+
+  The kernels read it, the NNX layer builds its parameters from it, models hold one per
+  attention type, and the training config derives its `model.*_attention` fields from it (so
+  a new option is one field here plus its use in the kernel). All values are checked here.
+
+  A spec without `in_features` is a template, as a model config holds it: sizes come from the
+  model and `num_heads` may be a per-layer tuple (a pruned model); `resolve(in_features,
+  layer=i)` gives layer i's complete spec.
 
   Attributes:
-    num_heads: h, number of heads.
+    num_heads: h, number of heads (a template may give one per layer).
     in_features: D, width of the query input.
     kind: how per-head logits are computed:
       'concat': standard attention, head size qkv_features / num_heads (Vaswani et al.).
@@ -52,12 +64,17 @@ class AttentionSpec:
       1/sqrt(key_dim / num_heads) for 'collaborative' (the paper's choice for training from
       scratch). A re-parametrized layer must keep the scale of the layer it came from, which
       is why this is a setting of the layer and not recomputed from key_dim.
+    mixing_init: initial collaborative mixing: 'concatenate' (block one-hot; reproduces
+      concat at full key_dim), 'all_ones' or 'random' (N(0, 0.2^2), Cordonnier et al.'s code).
+    dropout_rate: dropout on the attention weights, in [0, 1).
     gated: multiply each head's output by a hard-concrete gate (Voita et al. 2019).
-    gate: the gates' distribution settings.
+    gate_temperature, gate_stretch: the gates' `HardConcrete` settings.
+    gate_log_alpha_init: initial log-alpha of every gate. 3.0 > log(11) makes every
+      evaluation gate exactly 1, so a freshly gated layer computes what its ungated kind does.
   """
 
-  num_heads: int
-  in_features: int
+  num_heads: int | tuple[int, ...]
+  in_features: int | None = None
   kind: Kind = 'concat'
   qkv_features: int | None = None
   out_features: int | None = None
@@ -68,36 +85,92 @@ class AttentionSpec:
   use_bias: bool = True
   normalize_qk: bool = False
   logit_scale: float | None = None
+  mixing_init: str = 'concatenate'
+  dropout_rate: float = 0.0
   gated: bool = False
-  gate: HardConcrete = HardConcrete()
+  gate_temperature: float = HardConcrete.temperature
+  gate_stretch: tuple[float, float] = HardConcrete.stretch
+  gate_log_alpha_init: float = 3.0
 
   def __post_init__(self):
+    for name in ('num_heads', 'gate_stretch'):  # lists from JSON or a config: keep hashable
+      if isinstance(getattr(self, name), list):
+        object.__setattr__(self, name, tuple(getattr(self, name)))
     if self.kind not in KINDS:
       raise ValueError(f'kind={self.kind!r} is not one of {KINDS}.')
-    _require_positive_int('num_heads', self.num_heads)
-    _require_positive_int('in_features', self.in_features)
+    if self.mixing_init not in MIXING_INITS:
+      raise ValueError(f'mixing_init={self.mixing_init!r} is not one of {MIXING_INITS}.')
+    if not (isinstance(self.dropout_rate, (int, float)) and 0.0 <= self.dropout_rate < 1.0):
+      raise ValueError(f'dropout_rate={self.dropout_rate!r} must be in [0, 1).')
+    if not isinstance(self.gate_log_alpha_init, (int, float)):
+      raise ValueError(f'gate_log_alpha_init={self.gate_log_alpha_init!r} must be a number.')
+    self.gate  # validates the gate settings
+    if self.logit_scale is not None and not (
+        isinstance(self.logit_scale, (int, float)) and self.logit_scale > 0):
+      raise ValueError(f'logit_scale={self.logit_scale!r} must be a number > 0.')
+    heads = self.num_heads if isinstance(self.num_heads, tuple) else (self.num_heads,)
+    if not heads:
+      raise ValueError('num_heads=() must name at least one layer.')
+    for h in heads:
+      _require_positive_int('num_heads', h)
+    for name in ('qkv_features', 'head_dim', 'key_dim', 'num_kv_heads', *SIZE_FIELDS):
+      if getattr(self, name) is not None:
+        _require_positive_int(name, getattr(self, name))
+    if self.kind == 'fixed_head' and self.head_dim is None:
+      raise ValueError(
+          "kind='fixed_head' needs head_dim (an integer >= 1): the head size is chosen "
+          'independently of num_heads, e.g. the sequence length (Bhojanapalli et al.).')
+    if self.kind != 'collaborative' and self.key_dim is not None:
+      raise ValueError(
+          f"key_dim={self.key_dim} is only used by kind='collaborative' (got kind={self.kind!r}).")
+    if self.is_template:
+      return
+    self._resolve_sizes()
+
+  @property
+  def is_template(self) -> bool:
+    """True until the sizes are known: no in_features, or one head count per layer."""
+    return self.in_features is None or isinstance(self.num_heads, tuple)
+
+  @property
+  def gate(self) -> HardConcrete:
+    """The gates' distribution."""
+    return HardConcrete(temperature=self.gate_temperature, stretch=tuple(self.gate_stretch))
+
+  def num_heads_of_layer(self, layer: int) -> int:
+    if isinstance(self.num_heads, tuple):
+      return self.num_heads[layer]
+    return self.num_heads
+
+  def resolve(self, in_features: int, layer: int = 0, **sizes) -> 'AttentionSpec':
+    """Layer `layer`'s complete spec for inputs of width `in_features` (sizes: out_features,
+    in_kv_features). A complete spec with the same sizes is returned as is."""
+    if isinstance(self.num_heads, tuple) and len(self.num_heads) <= layer:
+      raise ValueError(f'num_heads={self.num_heads} has no entry for layer {layer}.')
+    num_heads = self.num_heads_of_layer(layer)
+    return dataclasses.replace(self, num_heads=num_heads, in_features=in_features, **sizes)
+
+  def options(self) -> dict:
+    """The fields a template carries (everything but the sizes a model sets)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name not in SIZE_FIELDS}
+
+  def _resolve_sizes(self):
     resolve = lambda name, value: object.__setattr__(self, name, value)
     for name in ('out_features', 'in_kv_features'):
       if getattr(self, name) is None:
         resolve(name, self.in_features)
-      _require_positive_int(name, getattr(self, name))
 
     # head_dim and qkv_features = num_heads * head_dim: give either one, or both consistently.
     h = self.num_heads
     if self.head_dim is None:
-      if self.kind == 'fixed_head':
-        raise ValueError(
-            "kind='fixed_head' needs head_dim (an integer >= 1): the head size is chosen "
-            'independently of num_heads, e.g. the sequence length (Bhojanapalli et al.).')
       qkv = self.in_features if self.qkv_features is None else self.qkv_features
-      _require_positive_int('qkv_features', qkv)
       if qkv % h:
         raise ValueError(
             f'qkv_features={qkv} must be divisible by num_heads={h} (valid num_heads: '
             f"divisors of {qkv}); kind='fixed_head' with head_dim=... sets the head size "
             'freely.')
       resolve('head_dim', qkv // h)
-    _require_positive_int('head_dim', self.head_dim)
     if self.qkv_features is not None and self.qkv_features != h * self.head_dim:
       raise ValueError(
           f'qkv_features={self.qkv_features} conflicts with num_heads * head_dim = '
@@ -107,7 +180,6 @@ class AttentionSpec:
     if self.kind == 'collaborative':
       if self.key_dim is None:
         resolve('key_dim', h * self.head_dim)
-      _require_positive_int('key_dim', self.key_dim)
       if self.num_kv_heads not in (None, h):
         raise ValueError(
             f"num_kv_heads={self.num_kv_heads} is not supported by kind='collaborative': its "
@@ -116,13 +188,9 @@ class AttentionSpec:
         raise ValueError(
             "normalize_qk=True is only defined for dot-product kinds "
             f'{DOT_PRODUCT_KINDS}, not collaborative.')
-    elif self.key_dim is not None:
-      raise ValueError(
-          f"key_dim={self.key_dim} is only used by kind='collaborative' (got kind={self.kind!r}).")
 
     if self.num_kv_heads is None:
       resolve('num_kv_heads', h)
-    _require_positive_int('num_kv_heads', self.num_kv_heads)
     if h % self.num_kv_heads:
       raise ValueError(
           f'num_heads={h} must be divisible by num_kv_heads={self.num_kv_heads} '
@@ -131,8 +199,6 @@ class AttentionSpec:
     if self.logit_scale is None:
       width = self.key_dim / h if self.kind == 'collaborative' else self.head_dim
       resolve('logit_scale', 1.0 / math.sqrt(width))
-    if not (isinstance(self.logit_scale, (int, float)) and self.logit_scale > 0):
-      raise ValueError(f'logit_scale={self.logit_scale!r} must be a number > 0.')
 
   # ---------------------------------------------------------------- parameters
 

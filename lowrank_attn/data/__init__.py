@@ -3,27 +3,31 @@
 The only package that imports tensorflow_datasets and grain.
 
     from lowrank_attn import data
-    pipeline = data.make_pipeline(config.data, split="train", seed=0, global_batch_size=64,
+    pipeline = data.make_pipeline(config.data, split='train', seed=0, global_batch_size=64,
                                   train=True, workdir=workdir)
-    source = data.load_data_source("ud_english_ewt", "validation")   # raw examples
+    source = data.load_data_source('ud_english_ewt', 'validation')   # raw examples
+
+Layout: `config.py` (the `DataConfig` schema), `datasets.py` (data sets by name, local text
+files), `builders/` (our TFDS builders), `raw_files.py` (where raw files come from, their
+checksums), `tokenizers.py`, `transforms.py` (per-example steps), `pipeline.py` (`Pipeline`).
 """
 
+from lowrank_attn.data.config import (
+    TASKS,
+    DataConfig,
+    as_data_config,
+    default_data_config,
+)
 from lowrank_attn.data.datasets import (
     DATASETS,
     OFFICIAL_DATASETS,
+    TextFiles,
     default_tfds_data_dir,
     load_builder,
     load_data_source,
+    load_text_files,
 )
-from lowrank_attn.data.pipeline import (
-    DATA_CONFIG_DEFAULTS,
-    TASKS,
-    ArraySpec,
-    Pipeline,
-    default_data_config,
-    make_pipeline,
-    mask_tokens,
-)
+from lowrank_attn.data.pipeline import ArraySpec, Pipeline, make_pipeline
 from lowrank_attn.data.raw_files import DATA_DIR_ENV, MissingSplitWarning
 from lowrank_attn.data.tokenizers import (
     CharTokenizer,
@@ -31,24 +35,28 @@ from lowrank_attn.data.tokenizers import (
     Tokenizer,
     WordPieceTokenizer,
 )
+from lowrank_attn.data.transforms import mask_tokens
 
 __all__ = [
-    "ArraySpec",
-    "CharTokenizer",
-    "DATASETS",
-    "DATA_DIR_ENV",
-    "DATA_CONFIG_DEFAULTS",
-    "MissingSplitWarning",
-    "OFFICIAL_DATASETS",
-    "Pipeline",
-    "SentencePieceTokenizer",
-    "TASKS",
-    "Tokenizer",
-    "WordPieceTokenizer",
-    "default_data_config",
-    "default_tfds_data_dir",
-    "load_builder",
-    "load_data_source",
-    "make_pipeline",
-    "mask_tokens",
+    'ArraySpec',
+    'CharTokenizer',
+    'DATASETS',
+    'DATA_DIR_ENV',
+    'DataConfig',
+    'MissingSplitWarning',
+    'OFFICIAL_DATASETS',
+    'Pipeline',
+    'SentencePieceTokenizer',
+    'TASKS',
+    'TextFiles',
+    'Tokenizer',
+    'WordPieceTokenizer',
+    'as_data_config',
+    'default_data_config',
+    'default_tfds_data_dir',
+    'load_builder',
+    'load_data_source',
+    'load_text_files',
+    'make_pipeline',
+    'mask_tokens',
 ]

@@ -11,8 +11,9 @@ after which `tfds_data_dir=gs://<bucket>/tfds` reads them without TensorFlow.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 import dataclasses
+import gzip
 import importlib.util
 import os
 from typing import Any
@@ -40,31 +41,31 @@ class DatasetSpec:
   config: str | None = None
   text_feature: str | None = None
   languages: tuple[str, ...] = ()
-  splits: tuple[str, ...] = ("train", "validation", "test")
+  splits: tuple[str, ...] = ('train', 'validation', 'test')
 
 
 DATASETS: dict[str, DatasetSpec] = {
-    "tiny_shakespeare": DatasetSpec(builders.Shakespeare, "tiny", text_feature="text"),
-    "shakespeare": DatasetSpec(builders.Shakespeare, "full_works", text_feature="text"),
-    "multi30k": DatasetSpec(builders.Multi30k, languages=("en", "de")),
-    "multi30k_captions": DatasetSpec(builders.Multi30kCaptions, splits=("test",)),
-    "ud_english_ewt": DatasetSpec(builders.UdEnglishEwt, text_feature="text"),
+    'tiny_shakespeare': DatasetSpec(builders.Shakespeare, 'tiny', text_feature='text'),
+    'shakespeare': DatasetSpec(builders.Shakespeare, 'full_works', text_feature='text'),
+    'multi30k': DatasetSpec(builders.Multi30k, languages=('en', 'de')),
+    'multi30k_captions': DatasetSpec(builders.Multi30kCaptions, splits=('test',)),
+    'ud_english_ewt': DatasetSpec(builders.UdEnglishEwt, text_feature='text'),
 }
 
 # Official TFDS datasets we have used; any other registered TFDS name works the same way.
 OFFICIAL_DATASETS: dict[str, DatasetSpec] = {
-    "lm1b": DatasetSpec(None, text_feature="text", splits=("train", "test")),
-    "wmt14_translate/de-en": DatasetSpec(None, languages=("de", "en")),
-    "wmt_t2t_translate/de-en": DatasetSpec(None, languages=("de", "en")),
+    'lm1b': DatasetSpec(None, text_feature='text', splits=('train', 'test')),
+    'wmt14_translate/de-en': DatasetSpec(None, languages=('de', 'en')),
+    'wmt_t2t_translate/de-en': DatasetSpec(None, languages=('de', 'en')),
 }
 
 _TF_INSTALL_HINT = (
-    "Preparing official TFDS datasets needs TensorFlow and importlib_resources (`pip install "
-    "tensorflow-cpu importlib_resources`, the optional extra documented in the README; TFDS "
-    "4.9.10 forgets to declare the latter, tensorflow/datasets#11212); prepare once with "
-    "`tfds build {name} --file_format=array_record --data_dir=<dir>` and point "
-    "data.tfds_data_dir at <dir>, after "
-    "which reading needs no TensorFlow."
+    'Preparing official TFDS datasets needs TensorFlow and importlib_resources (`pip install '
+    'tensorflow-cpu importlib_resources`, the optional extra documented in the README; TFDS '
+    '4.9.10 forgets to declare the latter, tensorflow/datasets#11212); prepare once with '
+    '`tfds build {name} --file_format=array_record --data_dir=<dir>` and point '
+    'data.tfds_data_dir at <dir>, after '
+    'which reading needs no TensorFlow.'
 )
 
 
@@ -74,14 +75,14 @@ def dataset_spec(name: str) -> DatasetSpec:
     return DATASETS[name]
   if name in OFFICIAL_DATASETS:
     return OFFICIAL_DATASETS[name]
-  return DatasetSpec(None, text_feature="text")
+  return DatasetSpec(None, text_feature='text')
 
 
 def default_tfds_data_dir(workdir: str | os.PathLike | None) -> str:
   """Where prepared ArrayRecord datasets go when data.tfds_data_dir is None."""
   if workdir is not None:
-    return os.path.join(os.fspath(workdir), "tfds")
-  return os.path.expanduser(os.path.join("~", "tensorflow_datasets"))
+    return os.path.join(os.fspath(workdir), 'tfds')
+  return os.path.expanduser(os.path.join('~', 'tensorflow_datasets'))
 
 
 def load_builder(
@@ -103,18 +104,19 @@ def load_builder(
   tfds_data_dir = os.fspath(tfds_data_dir or default_tfds_data_dir(None))
   spec = dataset_spec(name)
   if spec.builder_cls is not None:
-    builder = spec.builder_cls(
-        config=spec.config, data_dir=tfds_data_dir, raw_data_dir=data_dir)
+    builder = spec.builder_cls(config=spec.config, data_dir=tfds_data_dir, raw_data_dir=data_dir)
   else:
     builder = _official_builder(name, tfds_data_dir)
   if not builder.is_prepared():
     if spec.builder_cls is None:
-      missing = [m for m in ("tensorflow", "importlib_resources")
-                 if importlib.util.find_spec(m) is None]
+      missing = [
+          m for m in ('tensorflow', 'importlib_resources') if importlib.util.find_spec(m) is None
+      ]
       if missing:  # fail now rather than after TFDS has started downloading
         raise ImportError(
-            f"{name!r} is not prepared in {builder.data_dir} and preparing it needs "
-            f"{missing}. " + _TF_INSTALL_HINT.format(name=name))
+            f'{name!r} is not prepared in {builder.data_dir} and preparing it needs '
+            f'{missing}. ' + _TF_INSTALL_HINT.format(name=name)
+        )
     _prepare(builder, name)
   return builder
 
@@ -133,25 +135,26 @@ def load_data_source(
   """
   builder = load_builder(name, data_dir=data_dir, tfds_data_dir=tfds_data_dir)
   available = list(builder.info.splits.keys())
-  base_split = split.split("[")[0]
+  base_split = split.split('[')[0]
   if base_split not in available:
     spec = dataset_spec(name)
     why = (
-        f" ({builder.name} has splits {list(spec.splits)}; a split whose raw file was "
-        "absent from the local data directory is skipped when the dataset is prepared. "
-        f"To add it, provide the file and delete {builder.data_dir} so it is prepared again.)"
-        if spec.builder_cls is not None and base_split in spec.splits else ""
+        f' ({builder.name} has splits {list(spec.splits)}; a split whose raw file was '
+        'absent from the local data directory is skipped when the dataset is prepared. '
+        f'To add it, provide the file and delete {builder.data_dir} so it is prepared again.)'
+        if spec.builder_cls is not None and base_split in spec.splits
+        else ''
     )
     raise ValueError(
-        f"split={split!r} is not available for data set {name!r} prepared at "
-        f"{builder.data_dir}; valid: {available}.{why}"
+        f'split={split!r} is not available for data set {name!r} prepared at '
+        f'{builder.data_dir}; valid: {available}.{why}'
     )
   try:
     return builder.as_data_source(split)
   except NotImplementedError as e:
     raise ValueError(
-        f"{name!r} at {builder.data_dir} was not prepared in ArrayRecord format, which "
-        "random access (and our grain pipelines) need. " + _TF_INSTALL_HINT.format(name=name)
+        f'{name!r} at {builder.data_dir} was not prepared in ArrayRecord format, which '
+        'random access (and our grain pipelines) need. ' + _TF_INSTALL_HINT.format(name=name)
     ) from e
 
 
@@ -159,13 +162,13 @@ def _official_builder(name: str, tfds_data_dir: str) -> tfds.core.DatasetBuilder
   try:
     # Falls back to reading dataset_info.json from tfds_data_dir when the builder class is not
     # importable (TFDS registers several text builders only when TensorFlow is installed).
-    return tfds.builder(name, data_dir=tfds_data_dir, file_format="array_record")
+    return tfds.builder(name, data_dir=tfds_data_dir, file_format='array_record')
   except tfds.core.registered.DatasetNotFoundError as e:
     raise ValueError(
-        f"data.name={name!r} is neither one of ours ({sorted(DATASETS)}) nor a TFDS dataset "
-        f"prepared under data.tfds_data_dir={tfds_data_dir!r}. If it is an official TFDS "
-        "dataset (e.g. lm1b, wmt14_translate/de-en), its builder may only be importable with "
-        "TensorFlow. " + _TF_INSTALL_HINT.format(name=name)
+        f'data.name={name!r} is neither one of ours ({sorted(DATASETS)}) nor a TFDS dataset '
+        f'prepared under data.tfds_data_dir={tfds_data_dir!r}. If it is an official TFDS '
+        'dataset (e.g. lm1b, wmt14_translate/de-en), its builder may only be importable with '
+        'TensorFlow. ' + _TF_INSTALL_HINT.format(name=name)
     ) from e
   except TypeError:
     # A read-only builder restored from files takes no file_format argument.
@@ -178,10 +181,75 @@ def _prepare(builder: tfds.core.DatasetBuilder, name: str) -> None:
   progress_was_shown = tqdm_utils._active  # pylint: disable=protected-access
   tfds.display_progress_bar(False)
   try:
-    builder.download_and_prepare(download_config=download_config, file_format="array_record")
+    builder.download_and_prepare(download_config=download_config, file_format='array_record')
   except ImportError as e:
     raise ImportError(
-        f"Preparing {name!r} failed: {e}. " + _TF_INSTALL_HINT.format(name=name)
+        f'Preparing {name!r} failed: {e}. ' + _TF_INSTALL_HINT.format(name=name)
     ) from e
   finally:
     tfds.display_progress_bar(progress_was_shown)
+
+
+class TextFiles(Sequence):
+  """Examples of local text files, one per line: example i is {feature: line i of its file}.
+
+  Text features are `bytes`, as in the TFDS data sources, so the same pipelines read both.
+  """
+
+  def __init__(self, lines: Mapping[str, list[bytes]], paths: Mapping[str, str]):
+    self._lines, self.paths = dict(lines), dict(paths)
+    self._length = len(next(iter(self._lines.values())))
+
+  def __len__(self) -> int:
+    return self._length
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return [self[i] for i in range(*index.indices(self._length))]
+    index = range(self._length)[index]  # negative indices; IndexError past the end
+    return {feature: lines[index] for feature, lines in self._lines.items()}
+
+  def __getitems__(self, indices) -> list[dict[str, bytes]]:
+    return [self[i] for i in indices]
+
+  def __repr__(self) -> str:
+    return f'TextFiles({self.paths}, {self._length} lines)'
+
+
+def load_text_files(files: Mapping[str, str | os.PathLike]) -> TextFiles:
+  """Random-access examples of parallel text files (`.gz` allowed), one example per line.
+
+  Args:
+    files: feature name -> path, e.g. {'en': 'a.en', 'de': 'a.de'}; line i of every file
+      belongs to example i (line i of `a.en` translates to line i of `a.de`).
+
+  Raises:
+    FileNotFoundError: a file does not exist (named with its feature).
+    ValueError: the files have different numbers of lines, a file is empty or not UTF-8.
+  """
+  lines, paths = {}, {}
+  for feature, path in files.items():
+    path = os.path.expanduser(os.fspath(path))
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f'The {feature!r} text file {path!r} does not exist.')
+    opener = gzip.open if path.endswith('.gz') else open
+    try:
+      with opener(path, 'rb') as f:
+        text = f.read().decode('utf-8')
+    except (UnicodeDecodeError, OSError) as e:
+      raise ValueError(f'The {feature!r} text file {path!r} is not UTF-8 text: {e}') from e
+    if not text:
+      raise ValueError(f'The {feature!r} text file {path!r} is empty.')
+    # One example per line; a final newline does not start another one.
+    lines[feature] = [
+        line.removesuffix('\r').encode('utf-8') for line in text.removesuffix('\n').split('\n')
+    ]
+    paths[feature] = path
+  counts = {feature: len(v) for feature, v in lines.items()}
+  if len(set(counts.values())) > 1:
+    described = ', '.join(f'{paths[f]} ({f}) has {n}' for f, n in counts.items())
+    raise ValueError(
+        f'Parallel text files must have equal numbers of lines (line i of each belongs to '
+        f'example i): {described}.'
+    )
+  return TextFiles(lines, paths)

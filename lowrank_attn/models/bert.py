@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from lowrank_attn.models.config import AttentionConfig, TransformerConfig
+from lowrank_attn.attention import AttentionSpec
+from lowrank_attn.models.config import TransformerConfig
 
 
 def bert_config(hf_config: Mapping[str, Any], **overrides) -> TransformerConfig:
@@ -27,7 +28,7 @@ def bert_config(hf_config: Mapping[str, Any], **overrides) -> TransformerConfig:
   act = {'gelu': 'gelu_exact', 'gelu_new': 'gelu', 'relu': 'relu'}.get(hf_config['hidden_act'])
   if act is None:
     raise ValueError(f"hidden_act={hf_config['hidden_act']!r} is not supported.")
-  attention = AttentionConfig(num_heads=hf_config['num_attention_heads'],
+  attention = AttentionSpec(num_heads=hf_config['num_attention_heads'],
                               dropout_rate=hf_config.get('attention_probs_dropout_prob', 0.0))
   fields = dict(
       vocab_size=hf_config['vocab_size'], emb_dim=hf_config['hidden_size'],

@@ -1,45 +1,19 @@
-"""Model settings as frozen dataclasses: what a notebook builds a model from, no ml_collections.
-
-`lowrank_attn.train.config.model_config` turns a task config into a `TransformerConfig`.
+"""Model settings as one frozen dataclass: what a notebook builds a model from, and the schema
+from which the training config's `model` fields are derived (`lowrank_attn.train.config`).
 """
 
 import dataclasses
-from typing import Any
 
 import jax.numpy as jnp
 
-from lowrank_attn.attention import KINDS
+from lowrank_attn.attention import AttentionSpec
 
 ATTENTION_TYPES = ('encoder', 'decoder', 'cross')  # encoder self, decoder self, encoder-decoder
-MIXING_INITS = ('concatenate', 'all_ones', 'random')
 NORMS = ('pre', 'post')
 POSITIONS = ('learned', 'sinusoidal')
 ACTIVATIONS = ('gelu', 'gelu_exact', 'relu')  # gelu: tanh approximation; BERT: gelu_exact
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-  """One attention type's layer settings (see `lowrank_attn.nn.MultiHeadAttention`)."""
-
-  kind: str = 'concat'  # 'concat' | 'fixed_head' | 'collaborative' | 'talking_heads'
-  num_heads: int = 8
-  qkv_features: int | None = None  # total query/key/value width; None: the model's emb_dim
-  head_dim: int | None = None  # per-head width; required for 'fixed_head'
-  key_dim: int | None = None  # collaborative: shared query/key width D_k
-  mixing_init: str = 'concatenate'  # collaborative: initial mixing matrix
-  logit_scale: float | None = None  # None: 1/sqrt(per-head query/key width)
-  gated: bool = False  # hard-concrete head gates (Voita et al. 2019)
-  gate_temperature: float = 0.33
-  gate_log_alpha_init: float = 3.0
-  dropout_rate: float = 0.0  # dropout on attention weights
-
-  def __post_init__(self):
-    if self.kind not in KINDS:
-      raise ValueError(f'attention kind={self.kind!r} is not one of {KINDS}.')
-    if self.mixing_init not in MIXING_INITS:
-      raise ValueError(f'mixing_init={self.mixing_init!r} is not one of {MIXING_INITS}.')
-    if not 0.0 <= self.dropout_rate < 1.0:
-      raise ValueError(f'attention dropout_rate={self.dropout_rate!r} must be in [0, 1).')
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+DEFAULT_ATTENTION = AttentionSpec(num_heads=8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +27,15 @@ class TransformerConfig:
   """
 
   vocab_size: int
-  emb_dim: int = 512
-  mlp_dim: int = 2048
+  emb_dim: int = 512  # D, the residual stream width
+  mlp_dim: int = 2048  # hidden width of the feed-forward blocks
   num_encoder_layers: int = 0
   num_decoder_layers: int = 6
-  encoder_attention: AttentionConfig = AttentionConfig()
-  decoder_attention: AttentionConfig = AttentionConfig()
-  cross_attention: AttentionConfig = AttentionConfig()
+  # Attention options per type, as `AttentionSpec` templates (sizes come from emb_dim;
+  # num_heads may be a tuple, one count per layer).
+  encoder_attention: AttentionSpec = DEFAULT_ATTENTION
+  decoder_attention: AttentionSpec = DEFAULT_ATTENTION
+  cross_attention: AttentionSpec = DEFAULT_ATTENTION
   max_length: int = 512  # size of the learned position table / longest sequence
   positions: str = 'learned'  # 'learned' | 'sinusoidal'
   norm: str = 'pre'  # 'pre' (x + f(LN(x))) | 'post' (LN(x + f(x)), Vaswani / BERT)
@@ -69,8 +45,8 @@ class TransformerConfig:
   scale_embeddings: bool = True  # multiply token embeddings by sqrt(emb_dim) (Vaswani)
   type_vocab_size: int = 0  # BERT token-type (segment A/B) embeddings; 0: none
   layer_norm_epsilon: float = 1e-6
-  dtype: Any = jnp.float32  # computation dtype (bfloat16 for mixed precision)
-  param_dtype: Any = jnp.float32
+  dtype: str = 'float32'  # computation dtype: 'float32' | 'bfloat16' (mixed precision)
+  param_dtype: str = 'float32'
 
   def __post_init__(self):
     for name in ('vocab_size', 'emb_dim', 'mlp_dim', 'max_length'):
@@ -88,7 +64,46 @@ class TransformerConfig:
         raise ValueError(f'{name}={value!r} is not one of {valid}.')
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f'dropout_rate={self.dropout_rate!r} must be in [0, 1).')
+    for name in ('dtype', 'param_dtype'):
+      value = getattr(self, name)
+      if not isinstance(value, str):  # a jnp dtype: store its name (JSON, hashing)
+        object.__setattr__(self, name, jnp.dtype(value).name)
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f'{name}={value!r} is not one of {tuple(DTYPES)}.')
+    # Every layer's attention must be buildable: fail here, not deep inside a model.
+    for attention_type in ATTENTION_TYPES:
+      field = f'{attention_type}_attention'
+      template = getattr(self, field)
+      if isinstance(template, dict):
+        template = AttentionSpec(**template)
+        object.__setattr__(self, field, template)
+      if not isinstance(template, AttentionSpec):
+        raise ValueError(f'{field} must be an AttentionSpec, got {type(template).__name__}.')
+      num_layers = self.num_layers(attention_type)
+      if isinstance(template.num_heads, tuple) and len(template.num_heads) != num_layers:
+        raise ValueError(
+            f'{field}.num_heads={template.num_heads} gives {len(template.num_heads)} layers, '
+            f'the model has {num_layers}; give one head count per layer, or an int.')
+      for layer in range(num_layers):
+        try:
+          self.attention(attention_type, layer)
+        except ValueError as e:
+          raise ValueError(f'{field} (layer {layer}): {e}') from None
 
-  def attention(self, attention_type: str) -> AttentionConfig:
-    return {'encoder': self.encoder_attention, 'decoder': self.decoder_attention,
-            'cross': self.cross_attention}[attention_type]
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+  @property
+  def parameter_dtype(self):
+    return DTYPES[self.param_dtype]
+
+  def num_layers(self, attention_type: str) -> int:
+    return self.num_encoder_layers if attention_type == 'encoder' else self.num_decoder_layers
+
+  def attention(self, attention_type: str, layer: int) -> AttentionSpec:
+    """The complete spec of layer `layer`'s attention of type 'encoder'|'decoder'|'cross'."""
+    if attention_type not in ATTENTION_TYPES:
+      raise ValueError(f'attention_type={attention_type!r} is not one of {ATTENTION_TYPES}.')
+    template = getattr(self, f'{attention_type}_attention')
+    return template.resolve(self.emb_dim, layer)

@@ -1,7 +1,7 @@
 """Transformer building blocks: embeddings, MLP, one encoder/decoder layer.
 
 Every parameter names its logical axes (`vocab, embed, mlp, heads, kv, key`) in its
-`out_sharding` metadata; `lowrank_attn.train.sharding` maps them to mesh axes. Randomness at
+`out_sharding` metadata; `lowrank_attn.sharding` maps them to mesh axes. Randomness at
 call time (dropout, gate noise) comes from the `rngs` argument, so a model holds no RNG state
 and a training step is a pure function of (parameters, batch, key).
 """
@@ -9,37 +9,14 @@ and a training step is a pure function of (parameters, batch, key).
 import math
 
 from flax import nnx
-from flax.core import spmd
 import jax
 import jax.numpy as jnp
 
-from lowrank_attn.models.config import AttentionConfig, TransformerConfig
+from lowrank_attn.models.config import TransformerConfig
 from lowrank_attn.nn import MultiHeadAttention
+from lowrank_attn.sharding import constrain, logical_metadata as logical
 
 Array = jax.Array
-
-
-def constrain(x: Array, logical_axes: tuple[str | None, ...]) -> Array:
-  """Pins an activation's sharding by logical names when a mesh and rules are active.
-
-  The identity outside a mesh (notebooks, one device). A dimension the mesh axes do not
-  divide (e.g. a beam-search batch) is left to the compiler.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  rules = spmd.get_logical_axis_rules()
-  if mesh.empty or not rules:
-    return x
-  table = dict(rules)
-  spec, used = [], set()
-  for size, name in zip(x.shape, logical_axes):
-    target = table.get(name) if name is not None else None
-    axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-    axes = tuple(a for a in axes if a not in used)  # e.g. 'embed' -> fsdp, taken by 'batch'
-    if axes and size % math.prod(mesh.shape[a] for a in axes):
-      axes = ()
-    used.update(axes)
-    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-  return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*spec))
 
 
 ACTIVATIONS = {
@@ -70,15 +47,6 @@ def sinusoidal_positions(positions: Array, features: int) -> Array:
   return table
 
 
-def logical(*axes: str | None) -> dict:
-  """Variable metadata naming a parameter's logical axes.
-
-  Metadata only (no eager sharding, which would need a mesh at construction): models build
-  anywhere, e.g. in a notebook, and the training loop shards them by these names.
-  """
-  return {'out_sharding': axes, 'eager_sharding': False}
-
-
 def _param(init, rngs: nnx.Rngs, shape, dtype, axes) -> nnx.Param:
   return nnx.Param(init(rngs.params(), shape, dtype), **logical(*axes))
 
@@ -87,8 +55,8 @@ class LayerNorm(nnx.LayerNorm):
   """`nnx.LayerNorm` whose scale and bias carry the logical axis 'embed'."""
 
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-    super().__init__(cfg.emb_dim, epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype,
-                     param_dtype=cfg.param_dtype, rngs=rngs,
+    super().__init__(cfg.emb_dim, epsilon=cfg.layer_norm_epsilon, dtype=cfg.compute_dtype,
+                     param_dtype=cfg.parameter_dtype, rngs=rngs,
                      scale_metadata=logical('embed'),
                      bias_metadata=logical('embed'))
 
@@ -101,7 +69,7 @@ class TokenEmbedding(nnx.Module):
     # N(0, 1/D): tied logits of a unit-variance (LayerNormed) input start with unit variance;
     # scale_embeddings brings the input embeddings back to unit variance (Vaswani et al.).
     self.embed = nnx.Embed(
-        cfg.vocab_size, cfg.emb_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        cfg.vocab_size, cfg.emb_dim, dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype,
         embedding_init=nnx.initializers.normal(cfg.emb_dim ** -0.5), rngs=rngs,
         embedding_metadata=logical('vocab', 'embed'))
 
@@ -121,10 +89,10 @@ class InputEmbedding(nnx.Module):
     self.tokens = tokens  # shared with the output layer and, in translation, the other stack
     # Optional parts are assigned once, module or None (NNX fixes an attribute's kind then).
     self.position_table = _param(
-        nnx.initializers.normal(0.02), rngs, (cfg.max_length, cfg.emb_dim), cfg.param_dtype,
+        nnx.initializers.normal(0.02), rngs, (cfg.max_length, cfg.emb_dim), cfg.parameter_dtype,
         (None, 'embed')) if cfg.positions == 'learned' else None
     self.token_types = nnx.Embed(
-        cfg.type_vocab_size, cfg.emb_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+        cfg.type_vocab_size, cfg.emb_dim, dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype,
         embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
         embedding_metadata=logical(None, 'embed')) if cfg.type_vocab_size else None
     # BERT normalises the embedding sum; pre-LN models normalise inside every layer instead.
@@ -145,7 +113,7 @@ class InputEmbedding(nnx.Module):
     if self.norm is not None:
       x = self.norm(x)
     x = self.dropout(x, deterministic=deterministic, rngs=rngs)
-    return constrain(x.astype(cfg.dtype), ('batch', 'length', 'embed'))
+    return constrain(x.astype(cfg.compute_dtype), ('batch', 'length', 'embed'))
 
 
 class Mlp(nnx.Module):
@@ -154,7 +122,7 @@ class Mlp(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     self.activation = ACTIVATIONS[cfg.activation]
     dense = lambda d_in, d_out, axes: nnx.Linear(
-        d_in, d_out, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
+        d_in, d_out, dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype, rngs=rngs,
         kernel_init=nnx.initializers.xavier_uniform(),
         kernel_metadata=logical(*axes), bias_metadata=logical(*axes[1:]))
     self.wi = dense(cfg.emb_dim, cfg.mlp_dim, ('embed', 'mlp'))
@@ -168,16 +136,12 @@ class Mlp(nnx.Module):
     return dense_2d(self.wo, h)
 
 
-def make_attention(cfg: TransformerConfig, attention: AttentionConfig, *,
+def make_attention(cfg: TransformerConfig, attention_type: str, layer: int, *,
                    rngs: nnx.Rngs) -> MultiHeadAttention:
-  return MultiHeadAttention(
-      attention.num_heads, cfg.emb_dim, attention.qkv_features, cfg.emb_dim,
-      kind=attention.kind, head_dim=attention.head_dim, key_dim=attention.key_dim,
-      mixing_init=attention.mixing_init, logit_scale=attention.logit_scale,
-      gated=attention.gated, gate_temperature=attention.gate_temperature,
-      gate_log_alpha_init=attention.gate_log_alpha_init, dtype=cfg.dtype,
-      param_dtype=cfg.param_dtype, dropout_rate=attention.dropout_rate,
-      broadcast_dropout=False, keep_rngs=False, rngs=rngs)  # rngs come with each call
+  return MultiHeadAttention.from_spec(
+      cfg.attention(attention_type, layer), dtype=cfg.compute_dtype,
+      param_dtype=cfg.parameter_dtype, broadcast_dropout=False, keep_rngs=False,
+      rngs=rngs)  # rngs come with each call
 
 
 class TransformerLayer(nnx.Module):
@@ -186,13 +150,12 @@ class TransformerLayer(nnx.Module):
   Pre-LN: `x + f(LN(x))`; post-LN (Vaswani, BERT): `LN(x + f(x))`.
   """
 
-  def __init__(self, cfg: TransformerConfig, self_attention_type: str, cross: bool, *,
-               rngs: nnx.Rngs):
+  def __init__(self, cfg: TransformerConfig, self_attention_type: str, index: int, cross: bool,
+               *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.self_attention = make_attention(cfg, cfg.attention(self_attention_type), rngs=rngs)
+    self.self_attention = make_attention(cfg, self_attention_type, index, rngs=rngs)
     self.self_attention_norm = LayerNorm(cfg, rngs=rngs)
-    self.cross_attention = (make_attention(cfg, cfg.cross_attention, rngs=rngs)
-                            if cross else None)
+    self.cross_attention = make_attention(cfg, 'cross', index, rngs=rngs) if cross else None
     self.cross_attention_norm = LayerNorm(cfg, rngs=rngs) if cross else None
     self.mlp = Mlp(cfg, rngs=rngs)
     self.mlp_norm = LayerNorm(cfg, rngs=rngs)
@@ -200,43 +163,48 @@ class TransformerLayer(nnx.Module):
 
   def _residual(self, x, norm, branch, deterministic, rngs):
     if self.cfg.norm == 'pre':
-      y, extra = branch(norm(x))
-      x = x + self.dropout(y, deterministic=deterministic, rngs=rngs)
+      x = x + self.dropout(branch(norm(x)), deterministic=deterministic, rngs=rngs)
     else:
-      y, extra = branch(x)
-      x = norm(x + self.dropout(y, deterministic=deterministic, rngs=rngs))
-    return constrain(x, ('batch', 'length', 'embed')), extra
+      x = norm(x + self.dropout(branch(x), deterministic=deterministic, rngs=rngs))
+    return constrain(x, ('batch', 'length', 'embed'))
 
   def __call__(self, x: Array, *, mask: Array | None, encoded: Array | None = None,
                cross_mask: Array | None = None, deterministic: bool,
                rngs: nnx.Rngs | None, decode: bool = False,
                head_masks: tuple[Array | None, Array | None] = (None, None),
-               return_weights: bool = False) -> tuple[Array, dict[str, Array]]:
-    """Returns the new activations and `{'self': weights, 'cross': weights}` if requested."""
-    weights = {}
+               return_weights: bool = False,
+               return_logits: bool = False) -> tuple[Array, dict[str, dict[str, Array]]]:
+    """The new activations, and `{'weights'|'logits': {'self'|'cross': [b, h, q, k]}}` of what
+    was requested."""
+    extras = {'weights': {}, 'logits': {}}
 
     def attend(layer, name, head_mask, kv=None, kv_mask=None, decode=False):
       def branch(h):
         out = layer(h, kv, mask=kv_mask, deterministic=deterministic, rngs=rngs,
-                    decode=decode, head_mask=head_mask, return_weights=return_weights)
-        if return_weights:
-          out, weights[name] = out
-        return out, None
+                    decode=decode, head_mask=head_mask, return_weights=return_weights,
+                    return_logits=return_logits)
+        if return_logits:
+          out, weights, extras['logits'][name] = out
+          if return_weights:
+            extras['weights'][name] = weights
+        elif return_weights:
+          out, extras['weights'][name] = out
+        return out
       return branch
 
-    x, _ = self._residual(
+    x = self._residual(
         x, self.self_attention_norm,
         attend(self.self_attention, 'self', head_masks[0], kv_mask=mask, decode=decode),
         deterministic, rngs)
     if self.cross_attention is not None:
-      x, _ = self._residual(
+      x = self._residual(
           x, self.cross_attention_norm,
           attend(self.cross_attention, 'cross', head_masks[1], kv=encoded, kv_mask=cross_mask),
           deterministic, rngs)
-    x, _ = self._residual(
-        x, self.mlp_norm, lambda h: (self.mlp(h, deterministic=deterministic, rngs=rngs), None),
+    x = self._residual(
+        x, self.mlp_norm, lambda h: self.mlp(h, deterministic=deterministic, rngs=rngs),
         deterministic, rngs)
-    return x, weights
+    return x, extras
 
   def l0_penalty(self) -> Array:
     total = self.self_attention.l0_penalty()

@@ -2,10 +2,12 @@
 
 Every model returns `(logits, aux)`:
   logits  `[batch, length, vocab]` float32;
-  aux     `{'l0_penalty': scalar}` (the expected number of open head gates over all gated
-          layers, 0 without gates; add `lambda * l0_penalty` to the loss, Voita et al. 2019),
-          plus `'attention_weights': {type: (per-layer [batch, heads, q, kv], ...)}` when
-          called with `return_weights=True`, types being 'encoder', 'decoder' and 'cross'.
+  aux     `{'l0_penalty': scalar, 'l0_penalty_sum': scalar}`: the expected number of open head
+          gates, summed over heads and averaged over gated attention layers (Voita et al. 2019,
+          whose lambda multiplies this), and summed over layers too; 0 without gates. Plus
+          `'attention_weights'` / `'attention_logits'`: `{type: (per-layer [batch, heads, q,
+          kv], ...)}` when called with `return_weights=True` / `return_logits=True` (logits
+          before the softmax and masking), types being 'encoder', 'decoder' and 'cross'.
 
 `head_masks={type: [num_layers, heads] or a per-layer sequence}` multiplies each head's output;
 its gradient at ones is the head importance of Michel et al. (2019), and 0/1 values prune.
@@ -22,8 +24,8 @@ import jax.numpy as jnp
 from lowrank_attn.attention import causal_mask, combine_masks, padding_mask, segment_mask
 from lowrank_attn.models.config import TransformerConfig
 from lowrank_attn.models.layers import (
-    ACTIVATIONS, InputEmbedding, LayerNorm, TokenEmbedding, TransformerLayer, constrain, dense_2d,
-    logical)
+    ACTIVATIONS, InputEmbedding, LayerNorm, TokenEmbedding, TransformerLayer, dense_2d)
+from lowrank_attn.sharding import constrain, logical_metadata as logical
 
 Array = jax.Array
 HeadMasks = Mapping[str, Array | Sequence[Array | None]] | None
@@ -35,10 +37,11 @@ def _layer_mask(head_masks: HeadMasks, attention_type: str, index: int):
   return head_masks[attention_type][index]
 
 
-def _positions(tokens: Array, positions: Array | None) -> Array:
+def _positions(tokens: Array, positions: Array | None, start=0) -> Array:
+  """`positions`, or `start, start + 1, ...` along the length axis."""
   if positions is not None:
     return positions
-  return jnp.broadcast_to(jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
+  return jnp.broadcast_to(start + jnp.arange(tokens.shape[-1], dtype=jnp.int32), tokens.shape)
 
 
 def _mlp_flops(cfg: TransformerConfig, tokens: int) -> int:
@@ -52,33 +55,46 @@ class Stack(nnx.Module):
                tokens: TokenEmbedding, *, cross: bool = False, rngs: nnx.Rngs):
     self.attention_type = attention_type
     self.embedding = InputEmbedding(cfg, tokens, rngs=rngs)
-    self.layers = nnx.List([TransformerLayer(cfg, attention_type, cross, rngs=rngs)
-                            for _ in range(num_layers)])
+    self.layers = nnx.List([TransformerLayer(cfg, attention_type, i, cross, rngs=rngs)
+                            for i in range(num_layers)])
     self.final_norm = LayerNorm(cfg, rngs=rngs) if cfg.norm == 'pre' else None
 
   def __call__(self, tokens, positions, *, mask, token_types=None, encoded=None,
                cross_mask=None, deterministic=True, rngs=None, decode=False,
-               head_masks: HeadMasks = None, return_weights=False):
+               head_masks: HeadMasks = None, return_weights=False, return_logits=False):
+    """Final activations and `{'attention_weights'|'attention_logits': {type: per-layer}}`."""
     x = self.embedding(tokens, positions, token_types, deterministic=deterministic, rngs=rngs)
-    weights = {self.attention_type: [], 'cross': []}
+    names = {'self': self.attention_type, 'cross': 'cross'}
+    collected = {'attention_weights': {}, 'attention_logits': {}}
     for i, layer in enumerate(self.layers):
-      x, layer_weights = layer(
+      x, extras = layer(
           x, mask=mask, encoded=encoded, cross_mask=cross_mask, deterministic=deterministic,
-          rngs=rngs, decode=decode, return_weights=return_weights,
+          rngs=rngs, decode=decode, return_weights=return_weights, return_logits=return_logits,
           head_masks=(_layer_mask(head_masks, self.attention_type, i),
                       _layer_mask(head_masks, 'cross', i)))
-      for name, w in layer_weights.items():
-        weights[self.attention_type if name == 'self' else 'cross'].append(w)
+      for what, per_name in (('attention_weights', extras['weights']),
+                             ('attention_logits', extras['logits'])):
+        for name, value in per_name.items():
+          collected[what].setdefault(names[name], []).append(value)
     if self.final_norm is not None:
       x = self.final_norm(x)
-    return x, {k: tuple(v) for k, v in weights.items() if v}
+    return x, {what: {k: tuple(v) for k, v in per_type.items()}
+               for what, per_type in collected.items() if per_type}
 
-  def l0_penalty(self) -> Array:
-    return sum((layer.l0_penalty() for layer in self.layers), jnp.zeros((), jnp.float32))
+  def attention_layers(self):
+    """Every attention layer of the stack, self-attention and (if any) cross-attention."""
+    for layer in self.layers:
+      yield layer.self_attention
+      if layer.cross_attention is not None:
+        yield layer.cross_attention
 
   def init_cache(self, batch_size: int, max_length: int, dtype) -> None:
     for layer in self.layers:
       layer.self_attention.init_cache((batch_size, max_length, layer.cfg.emb_dim), dtype)
+
+  def cache_index(self) -> Array:
+    """The decoding position: how many positions the self-attention caches hold."""
+    return self.layers[0].self_attention.cache_index[...]
 
   def flops(self, batch_size: int, length: int, source_length: int | None = None) -> int:
     total = 0
@@ -97,8 +113,8 @@ class _Model(nnx.Module):
     self.cfg = cfg
     self.tokens = TokenEmbedding(cfg, rngs=rngs)
     self.output = None if cfg.tie_embeddings else nnx.Linear(
-        cfg.emb_dim, cfg.vocab_size, use_bias=False, dtype=cfg.dtype,
-        param_dtype=cfg.param_dtype, rngs=rngs,
+        cfg.emb_dim, cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
+        param_dtype=cfg.parameter_dtype, rngs=rngs,
         kernel_metadata=logical('embed', 'vocab'))
 
   def _logits(self, x: Array) -> Array:
@@ -108,11 +124,32 @@ class _Model(nnx.Module):
   def _logits_flops(self, tokens: int) -> int:
     return 2 * tokens * self.cfg.emb_dim * self.cfg.vocab_size
 
-  def _aux(self, weights, return_weights):
-    aux = {'l0_penalty': self.l0_penalty()}
-    if return_weights:
-      aux['attention_weights'] = weights
-    return aux
+  def stacks(self) -> tuple[Stack, ...]:
+    return tuple(getattr(self, name) for name in ('encoder', 'decoder') if hasattr(self, name))
+
+  def l0_penalties(self) -> list[Array]:
+    """Expected number of open gates of every gated attention layer (sum over its heads)."""
+    return [layer.l0_penalty() for stack in self.stacks() for layer in stack.attention_layers()
+            if layer.spec.gated]
+
+  def l0_penalty(self) -> Array:
+    """Voita et al.'s penalty: open gates summed over heads, averaged over gated layers."""
+    penalties = self.l0_penalties()
+    return sum(penalties) / len(penalties) if penalties else jnp.zeros((), jnp.float32)
+
+  def _aux(self, extras):
+    penalties = self.l0_penalties()
+    total = sum(penalties) if penalties else jnp.zeros((), jnp.float32)
+    return {'l0_penalty': total / max(len(penalties), 1), 'l0_penalty_sum': total, **extras}
+
+
+def _merge(*extras: dict) -> dict:
+  """Per-type attention weights/logits of several stacks, merged by kind of extra."""
+  out = {}
+  for extra in extras:
+    for what, per_type in extra.items():
+      out.setdefault(what, {}).update(per_type)
+  return out
 
 
 class DecoderLM(_Model):
@@ -127,24 +164,28 @@ class DecoderLM(_Model):
   def __call__(self, inputs: Array, *, positions: Array | None = None,
                segment_ids: Array | None = None, deterministic: bool = True,
                rngs: nnx.Rngs | None = None, decode: bool = False,
-               head_masks: HeadMasks = None, return_weights: bool = False):
-    """inputs `[batch, length]` int -> (logits `[batch, length, vocab]`, aux)."""
+               head_masks: HeadMasks = None, return_weights: bool = False,
+               return_logits: bool = False):
+    """inputs `[batch, length]` int -> (logits `[batch, length, vocab]`, aux).
+
+    With `decode=True` (after `init_cache`) the call continues the cached sequence: positions
+    default to the cache position onwards.
+    """
     if decode:
       mask = None  # the cache applies causality and hides unwritten positions
+      positions = _positions(inputs, positions, start=self.decoder.cache_index())
     else:
       segments = (inputs != 0).astype(jnp.int32) if segment_ids is None else segment_ids
       mask = combine_masks(segment_mask(segments, segments),
                            causal_mask(inputs.shape[-1])[None, None])
-    x, weights = self.decoder(inputs, _positions(inputs, positions), mask=mask,
-                              deterministic=deterministic, rngs=rngs, decode=decode,
-                              head_masks=head_masks, return_weights=return_weights)
-    return self._logits(x), self._aux(weights, return_weights)
-
-  def l0_penalty(self) -> Array:
-    return self.decoder.l0_penalty()
+    x, extras = self.decoder(inputs, _positions(inputs, positions), mask=mask,
+                             deterministic=deterministic, rngs=rngs, decode=decode,
+                             head_masks=head_masks, return_weights=return_weights,
+                             return_logits=return_logits)
+    return self._logits(x), self._aux(extras)
 
   def init_cache(self, batch_size: int, max_length: int | None = None) -> None:
-    self.decoder.init_cache(batch_size, max_length or self.cfg.max_length, self.cfg.dtype)
+    self.decoder.init_cache(batch_size, max_length or self.cfg.max_length, self.cfg.compute_dtype)
 
   def flops(self, batch_size: int, length: int) -> int:
     """Forward matmul FLOPs of one call (training step: about 3x)."""
@@ -165,38 +206,38 @@ class EncoderMLM(_Model):
     self._init_output(cfg, rngs)
     self.encoder = Stack(cfg, 'encoder', cfg.num_encoder_layers, self.tokens, rngs=rngs)
     self.head_dense = nnx.Linear(
-        cfg.emb_dim, cfg.emb_dim, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs,
-        kernel_metadata=logical(None, 'embed'), bias_metadata=logical('embed'))
+        cfg.emb_dim, cfg.emb_dim, dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype,
+        rngs=rngs, kernel_metadata=logical(None, 'embed'), bias_metadata=logical('embed'))
     self.head_norm = LayerNorm(cfg, rngs=rngs)
     self.activation = ACTIVATIONS[cfg.activation]
-    self.output_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), cfg.param_dtype),
+    self.output_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), cfg.parameter_dtype),
                                  **logical('vocab'))
 
   def __call__(self, inputs: Array, *, positions: Array | None = None,
                segment_ids: Array | None = None, token_types: Array | None = None,
                deterministic: bool = True, rngs: nnx.Rngs | None = None,
-               head_masks: HeadMasks = None, return_weights: bool = False):
+               head_masks: HeadMasks = None, return_weights: bool = False,
+               return_logits: bool = False):
     """inputs `[batch, length]` int (with mask tokens) -> (logits, aux)."""
-    x, weights = self.encode(inputs, positions=positions, segment_ids=segment_ids,
-                             token_types=token_types, deterministic=deterministic, rngs=rngs,
-                             head_masks=head_masks, return_weights=return_weights)
+    x, extras = self.encode(inputs, positions=positions, segment_ids=segment_ids,
+                            token_types=token_types, deterministic=deterministic, rngs=rngs,
+                            head_masks=head_masks, return_weights=return_weights,
+                            return_logits=return_logits)
     h = self.head_norm(self.activation(dense_2d(self.head_dense, x)))
     logits = self._logits(h) + self.output_bias[...].astype(jnp.float32)
-    return logits, self._aux(weights, return_weights)
+    return logits, self._aux(extras)
 
   def encode(self, inputs: Array, *, positions: Array | None = None,
              segment_ids: Array | None = None, token_types: Array | None = None,
              deterministic: bool = True, rngs: nnx.Rngs | None = None,
-             head_masks: HeadMasks = None, return_weights: bool = False):
-    """Final hidden states `[batch, length, D]` (padding: token 0 / segment 0) and weights."""
+             head_masks: HeadMasks = None, return_weights: bool = False,
+             return_logits: bool = False):
+    """Final hidden states `[batch, length, D]` (padding: token 0 / segment 0) and extras."""
     segments = (inputs != 0).astype(jnp.int32) if segment_ids is None else segment_ids
     return self.encoder(inputs, _positions(inputs, positions),
                         mask=segment_mask(segments, segments), token_types=token_types,
                         deterministic=deterministic, rngs=rngs, head_masks=head_masks,
-                        return_weights=return_weights)
-
-  def l0_penalty(self) -> Array:
-    return self.encoder.l0_penalty()
+                        return_weights=return_weights, return_logits=return_logits)
 
   def flops(self, batch_size: int, length: int) -> int:
     tokens = batch_size * length
@@ -208,7 +249,10 @@ class EncoderDecoder(_Model):
   """Translation model; source and target share one vocabulary and embedding matrix.
 
   Training: `model(inputs, targets)` feeds the decoder `targets` shifted right, starting with
-  `bos_id`. Decoding: `encode` once, `init_cache`, then `decode(..., decode=True)` per token.
+  `bos_id`. Packed rows (several pairs per row) pass `inputs_segment_ids`/`targets_segment_ids`
+  (0 = padding) and positions that restart in each segment: attention stays within a pair
+  and every target segment starts from `bos_id`. Decoding: `encode` once, `init_cache`, then
+  `decode(..., decode=True)` per token.
   """
 
   def __init__(self, cfg: TransformerConfig, *, bos_id: int, rngs: nnx.Rngs):
@@ -221,54 +265,67 @@ class EncoderDecoder(_Model):
     self.decoder = Stack(cfg, 'decoder', cfg.num_decoder_layers, self.tokens, cross=True,
                          rngs=rngs)
 
-  def encode(self, inputs: Array, *, deterministic: bool = True, rngs: nnx.Rngs | None = None,
-             head_masks: HeadMasks = None, return_weights: bool = False):
-    """inputs `[batch, source_length]` -> (encoded `[batch, source_length, D]`, weights)."""
-    valid = inputs != 0
-    return self.encoder(inputs, _positions(inputs, None), mask=padding_mask(valid, valid),
-                        deterministic=deterministic, rngs=rngs, head_masks=head_masks,
-                        return_weights=return_weights)
+  def encode(self, inputs: Array, *, segment_ids: Array | None = None,
+             positions: Array | None = None, deterministic: bool = True,
+             rngs: nnx.Rngs | None = None, head_masks: HeadMasks = None,
+             return_weights: bool = False, return_logits: bool = False):
+    """inputs `[batch, source_length]` -> (encoded `[batch, source_length, D]`, extras)."""
+    segments = (inputs != 0).astype(jnp.int32) if segment_ids is None else segment_ids
+    return self.encoder(inputs, _positions(inputs, positions),
+                        mask=segment_mask(segments, segments), deterministic=deterministic,
+                        rngs=rngs, head_masks=head_masks, return_weights=return_weights,
+                        return_logits=return_logits)
 
   def decode(self, encoded: Array, inputs: Array, decoder_inputs: Array, *,
-             target_valid: Array | None = None, positions: Array | None = None,
-             deterministic: bool = True, rngs: nnx.Rngs | None = None, decode: bool = False,
-             head_masks: HeadMasks = None, return_weights: bool = False):
+             target_segment_ids: Array | None = None, source_segment_ids: Array | None = None,
+             positions: Array | None = None, deterministic: bool = True,
+             rngs: nnx.Rngs | None = None, decode: bool = False, head_masks: HeadMasks = None,
+             return_weights: bool = False, return_logits: bool = False):
     """Decoder logits for `decoder_inputs` `[batch, target_length]` given the encoding.
 
-    `inputs` (the source tokens) only provide the source padding mask. With `decode=True`,
-    pass one step at a time with its `positions`; the cache handles causality.
+    `inputs` (the source tokens) only provide the source padding mask (or pass
+    `source_segment_ids`). With `decode=True`, pass one step (or chunk) at a time; positions
+    default to the cache position onwards and the cache handles causality.
     """
-    source_valid = inputs != 0
-    if target_valid is None:
-      target_valid = jnp.ones(decoder_inputs.shape, bool)
-    cross_mask = padding_mask(target_valid, source_valid)
-    self_mask = None if decode else combine_masks(
-        padding_mask(target_valid, target_valid),
-        causal_mask(decoder_inputs.shape[-1])[None, None])
-    x, weights = self.decoder(
+    source = (inputs != 0).astype(jnp.int32) if source_segment_ids is None else source_segment_ids
+    if target_segment_ids is None:
+      target_segment_ids = jnp.ones(decoder_inputs.shape, jnp.int32)
+    cross_mask = segment_mask(target_segment_ids, source)
+    if decode:
+      self_mask = None
+      positions = _positions(decoder_inputs, positions, start=self.decoder.cache_index())
+    else:
+      self_mask = combine_masks(segment_mask(target_segment_ids, target_segment_ids),
+                                causal_mask(decoder_inputs.shape[-1])[None, None])
+    x, extras = self.decoder(
         decoder_inputs, _positions(decoder_inputs, positions), mask=self_mask, encoded=encoded,
         cross_mask=cross_mask, deterministic=deterministic, rngs=rngs, decode=decode,
-        head_masks=head_masks, return_weights=return_weights)
-    return self._logits(x), weights
+        head_masks=head_masks, return_weights=return_weights, return_logits=return_logits)
+    return self._logits(x), extras
 
-  def __call__(self, inputs: Array, targets: Array, *, deterministic: bool = True,
+  def __call__(self, inputs: Array, targets: Array, *, inputs_segment_ids: Array | None = None,
+               targets_segment_ids: Array | None = None, inputs_positions: Array | None = None,
+               targets_positions: Array | None = None, deterministic: bool = True,
                rngs: nnx.Rngs | None = None, head_masks: HeadMasks = None,
-               return_weights: bool = False):
+               return_weights: bool = False, return_logits: bool = False):
     """inputs `[batch, source_length]`, targets `[batch, target_length]` -> (logits, aux)."""
-    encoded, enc_weights = self.encode(inputs, deterministic=deterministic, rngs=rngs,
-                                       head_masks=head_masks, return_weights=return_weights)
-    decoder_inputs = jnp.concatenate(
-        [jnp.full_like(targets[:, :1], self.bos_id), targets[:, :-1]], axis=1)
-    logits, dec_weights = self.decode(
-        encoded, inputs, decoder_inputs, target_valid=targets != 0, deterministic=deterministic,
-        rngs=rngs, head_masks=head_masks, return_weights=return_weights)
-    return logits, self._aux({**enc_weights, **dec_weights}, return_weights)
-
-  def l0_penalty(self) -> Array:
-    return self.encoder.l0_penalty() + self.decoder.l0_penalty()
+    options = dict(deterministic=deterministic, rngs=rngs, head_masks=head_masks,
+                   return_weights=return_weights, return_logits=return_logits)
+    encoded, enc_extras = self.encode(inputs, segment_ids=inputs_segment_ids,
+                                      positions=inputs_positions, **options)
+    shifted = jnp.concatenate([jnp.full_like(targets[:, :1], self.bos_id), targets[:, :-1]],
+                              axis=1)
+    if targets_positions is not None:  # packed: each target segment starts from BOS
+      shifted = jnp.where(targets_positions == 0, self.bos_id, shifted)
+    target_segments = ((targets != 0).astype(jnp.int32) if targets_segment_ids is None
+                       else targets_segment_ids)
+    logits, dec_extras = self.decode(
+        encoded, inputs, shifted, target_segment_ids=target_segments,
+        source_segment_ids=inputs_segment_ids, positions=targets_positions, **options)
+    return logits, self._aux(_merge(enc_extras, dec_extras))
 
   def init_cache(self, batch_size: int, max_length: int | None = None) -> None:
-    self.decoder.init_cache(batch_size, max_length or self.cfg.max_length, self.cfg.dtype)
+    self.decoder.init_cache(batch_size, max_length or self.cfg.max_length, self.cfg.compute_dtype)
 
   def flops(self, batch_size: int, source_length: int, target_length: int) -> int:
     return (self.encoder.flops(batch_size, source_length)

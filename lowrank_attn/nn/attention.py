@@ -19,12 +19,13 @@ from flax.nnx.nn import dtypes, initializers
 from flax.nnx.nn.linear import default_kernel_init
 
 from lowrank_attn import attention
-from lowrank_attn.attention import AttentionSpec, HardConcrete
+from lowrank_attn import sharding
+from lowrank_attn.attention import AttentionSpec
 from lowrank_attn.attention.convert import concat_to_collaborative, concatenate_mixing
+from lowrank_attn.attention.spec import MIXING_INITS
 
 Array = jax.Array
 _EMPTY = MappingProxyType({})
-MIXING_INITS = ('concatenate', 'all_ones', 'random')
 
 
 def _init_mixing(kind: str, rng, num_heads: int, key_dim: int, dtype) -> Array:
@@ -40,23 +41,13 @@ class MultiHeadAttention(nnx.Module):
   """Multi-head attention: concat, fixed-head-size, collaborative or talking heads, optionally gated.
 
   Takes every constructor argument and call argument of `flax.nnx.MultiHeadAttention` (and
-  draws the same initial parameters from the same `rngs` for kind='concat'), plus:
-
-  Args:
-    kind: 'concat' | 'fixed_head' | 'collaborative' | 'talking_heads' (see `AttentionSpec`).
-    head_dim: per-head width; required for 'fixed_head' (Bhojanapalli et al. 2020).
-    key_dim: the shared query/key width of 'collaborative' (Cordonnier et al. 2020).
-    mixing_init: collaborative mixing initialiser: 'concatenate' (block one-hot; reproduces
-      concat at full key_dim), 'all_ones' or 'random' (N(0, 0.2^2)).
-    logit_scale: logit multiplier; default 1/sqrt(head_dim), or 1/sqrt(key_dim/num_heads)
-      for 'collaborative'. Kept as a setting so re-parametrized layers keep the original.
-    gated: hard-concrete gates on the heads (Voita et al. 2019); `l0_penalty()` is the
-      expected number of open gates.
-    gate_temperature, gate_stretch: the gates' `HardConcrete` settings (defaults 0.33 and
-      (-0.1, 1.1), as Voita et al.'s code).
-    gate_log_alpha_init: initial log-alpha. The default 3.0 > log(11) makes every evaluation
-      gate exactly 1, so a freshly gated layer computes what its ungated kind computes.
-    talking heads mixing starts at the identity, where the layer equals concat.
+  draws the same initial parameters from the same `rngs` for kind='concat'). Our options are
+  the fields of `lowrank_attn.attention.AttentionSpec`, passed as keywords (`**options`) and
+  documented there once: `kind`, `head_dim` (fixed_head, Bhojanapalli et al. 2020), `key_dim`
+  and `mixing_init` (collaborative, Cordonnier et al. 2020), `logit_scale`, `gated` and the
+  `gate_*` settings (Voita et al. 2019; `l0_penalty()` is the expected number of open gates).
+  Talking-heads mixing starts at the identity, where the layer equals concat.
+  `MultiHeadAttention.from_spec(spec, rngs=...)` builds the layer a spec describes.
   """
 
   def __init__(
@@ -68,15 +59,6 @@ class MultiHeadAttention(nnx.Module):
       num_kv_heads: int | None = None,
       in_kv_features: int | None = None,
       *,
-      kind: str = 'concat',
-      head_dim: int | None = None,
-      key_dim: int | None = None,
-      mixing_init: str = 'concatenate',
-      logit_scale: float | None = None,
-      gated: bool = False,
-      gate_temperature: float = 0.33,
-      gate_stretch: tuple[float, float] = (-0.1, 1.1),
-      gate_log_alpha_init: float = 3.0,
       dtype=None,
       param_dtype=jnp.float32,
       broadcast_dropout: bool = True,
@@ -106,6 +88,7 @@ class MultiHeadAttention(nnx.Module):
       out_bias_metadata: Mapping[str, Any] = _EMPTY,
       query_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
       key_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+      **options,
   ):
     # flax arguments that swap out the computation itself: ours is defined by `kind`.
     if attention_fn not in (None, nnx.dot_product_attention):
@@ -121,23 +104,19 @@ class MultiHeadAttention(nnx.Module):
         ('out_dot_general_cls', out_dot_general_cls, None)):
       if value is not default:
         raise ValueError(f'{name} is not supported; use dtype= and precision= instead.')
-    if mixing_init not in MIXING_INITS:
-      raise ValueError(f'mixing_init={mixing_init!r} is not one of {MIXING_INITS}.')
-    if not 0.0 <= dropout_rate < 1.0:
-      raise ValueError(f'dropout_rate={dropout_rate!r} must be in [0, 1).')
-
-    self.spec = AttentionSpec(
-        num_heads=num_heads, in_features=in_features, kind=kind, qkv_features=qkv_features,
+    unknown = set(options) - set(AttentionSpec.__dataclass_fields__)
+    if unknown:
+      raise TypeError(f'MultiHeadAttention got unexpected arguments {sorted(unknown)}; our '
+                      'options are the fields of lowrank_attn.attention.AttentionSpec.')
+    self.spec = spec = AttentionSpec(
+        num_heads=num_heads, in_features=in_features, qkv_features=qkv_features,
         out_features=out_features, in_kv_features=in_kv_features, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, key_dim=key_dim, use_bias=use_bias, normalize_qk=normalize_qk,
-        logit_scale=logit_scale, gated=gated,
-        gate=HardConcrete(temperature=gate_temperature, stretch=tuple(gate_stretch)))
-    spec = self.spec
+        use_bias=use_bias, normalize_qk=normalize_qk, dropout_rate=dropout_rate, **options)
     # The attributes flax's layer exposes, for code written against it.
     self.num_heads, self.in_features = num_heads, in_features
     self.qkv_features, self.out_features = spec.qkv_features, spec.out_features
     self.in_kv_features, self.num_kv_heads = spec.in_kv_features, spec.num_kv_heads
-    self.head_dim, self.kind = spec.head_dim, kind
+    self.head_dim, self.kind = spec.head_dim, spec.kind
     self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
     self.broadcast_dropout, self.dropout_rate = broadcast_dropout, dropout_rate
     self.deterministic, self.decode = deterministic, decode
@@ -156,9 +135,7 @@ class MultiHeadAttention(nnx.Module):
         value.raw_value = jnp.reshape(value.raw_value, shape)
         setattr(self, name, nnx.Param(value))
       else:
-        # Logical names are metadata only (no eager sharding, which would need a mesh and
-        # rules at construction): the training loop shards by them in its jitted init.
-        metadata = {'out_sharding': axes[name], 'eager_sharding': False, **metadata}
+        metadata = {**sharding.logical_metadata(*axes[name]), **metadata}
         setattr(self, name, nnx.Param(jnp.reshape(value, shape), **metadata))
 
     def dense(prefix, in_width, kernel_meta=kernel_metadata, bias_meta=bias_metadata):
@@ -180,7 +157,7 @@ class MultiHeadAttention(nnx.Module):
       param('query_kernel', kernel_init, kernel_metadata, (D, spec.key_dim))
       param('key_kernel', kernel_init, kernel_metadata, (Dkv, spec.key_dim))
       param('mixing', lambda rng, shape, dtype: _init_mixing(
-          mixing_init, rng, num_heads, spec.key_dim, dtype))
+          spec.mixing_init, rng, num_heads, spec.key_dim, dtype))
       if use_bias:  # zero content bias: what a layer with zero query bias has
         param('content_bias', bias_init, bias_metadata)
       dense('value', Dkv)
@@ -188,14 +165,14 @@ class MultiHeadAttention(nnx.Module):
           (num_heads * spec.head_dim, spec.out_features))
     if use_bias:
       param('out_bias', out_bias_init, out_bias_metadata or bias_metadata)
-    if kind == 'talking_heads':
+    if spec.kind == 'talking_heads':
       identity = lambda rng, shape, dtype: jnp.eye(num_heads, dtype=dtype)
       param('pre_softmax_mixing', identity)
       param('post_softmax_mixing', identity)
-    if gated:
-      param('gate_log_alpha', initializers.constant(gate_log_alpha_init))
+    if spec.gated:
+      param('gate_log_alpha', initializers.constant(spec.gate_log_alpha_init))
 
-    stochastic = dropout_rate > 0.0 or gated
+    stochastic = dropout_rate > 0.0 or spec.gated
     self.rngs = rngs.dropout.fork() if keep_rngs and stochastic else None
     self.cached_key: nnx.Cache | None = nnx.data(None)
     self.cached_value: nnx.Cache | None = nnx.data(None)
@@ -244,6 +221,7 @@ class MultiHeadAttention(nnx.Module):
       qkv_sharding=None,
       head_mask: Array | None = None,
       return_weights: bool = False,
+      return_logits: bool = False,
   ):
     """Attention of `inputs_q` over `inputs_k`/`inputs_v` (self-attention when both are None).
 
@@ -251,6 +229,8 @@ class MultiHeadAttention(nnx.Module):
       head_mask: `[heads]` or `[batch..., heads]` factors on each head's output (pruning masks;
         its gradient at ones is Michel et al.'s head importance).
       return_weights: return `(out, weights)`, weights float32 `[batch..., heads, q, kv]`.
+      return_logits: return `(out, weights, logits)`, logits float32 `[batch..., heads, q, kv]`
+        before the softmax and masking (weights None unless also requested).
     In decode mode the call may hold one position or a chunk of several.
     """
     if out_sharding is not None or qkv_sharding is not None:
@@ -294,6 +274,7 @@ class MultiHeadAttention(nnx.Module):
         is_causal=is_causal and not decode, head_mask=head_mask, cache=cache, rng=rng,
         dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
         deterministic=deterministic, return_weights=return_weights or sow_weights,
+        return_logits=return_logits,
         dtype=self.dtype, precision=self.precision)
 
     if decode:
@@ -304,6 +285,8 @@ class MultiHeadAttention(nnx.Module):
         self.cached_content_bias[...] = result.cache['content_bias']
     if sow_weights:
       self.sow(nnx.Intermediate, 'attention_weights', result.weights)
+    if return_logits:
+      return result.out, result.weights if return_weights else None, result.logits
     return (result.out, result.weights) if return_weights else result.out
 
   # ------------------------------------------------------------------ decoding cache
@@ -332,6 +315,21 @@ class MultiHeadAttention(nnx.Module):
         self.init_cache((*batch, max_length, self.in_features), self.dtype or jnp.float32)
 
   # ------------------------------------------------------------------ conversion
+
+  @classmethod
+  def from_spec(cls, spec: AttentionSpec, *, rngs: nnx.Rngs, **layer_args) -> 'MultiHeadAttention':
+    """The layer `spec` describes; `layer_args`: flax's non-spec arguments (dtype, decode, ...)."""
+    if spec.is_template:
+      raise ValueError(f'{spec} is a template: resolve(in_features, layer=...) it first.')
+    sizes = ('num_heads', 'in_features', 'qkv_features', 'out_features', 'num_kv_heads',
+             'in_kv_features')
+    options = {name: getattr(spec, name) for name in spec.__dataclass_fields__
+               if name not in sizes and name != 'head_dim'}
+    # head_dim given only where the spec needs it, so qkv_features and head_dim agree.
+    if spec.kind == 'fixed_head':
+      options['head_dim'] = spec.head_dim
+    return cls(spec.num_heads, spec.in_features, spec.qkv_features, spec.out_features,
+               spec.num_kv_heads, spec.in_kv_features, rngs=rngs, **options, **layer_args)
 
   @classmethod
   def from_flax(cls, module: nnx.MultiHeadAttention, *, kind: str = 'concat',

@@ -3,13 +3,13 @@
     from lowrank_attn.train import train_and_evaluate
     from configs import lm                    # or load any config file
     train_and_evaluate(lm.get_config('tiny'), '/tmp/lm_tiny')
+
+Modules: `config` (the schema of a run), `tasks` (what a task is), `state` (config -> mesh,
+sharded state, compiled steps), `steps` (the pure train/eval steps), `train` (the loop),
+`checkpoints` (Orbax), `decode` (beam search, BLEU), `metrics`, `optim`.
 """
 
-from lowrank_attn.train.config import base_config, model_config, validate
-from lowrank_attn.train.train import (
-    NonFiniteError,
-    Preempted,
-    eval_step,
-    train_and_evaluate,
-    train_step,
-)
+from lowrank_attn.train.config import base_config, model_config, shrink, validate
+from lowrank_attn.train.state import Setup, compile_steps, create_state, setup
+from lowrank_attn.train.steps import StepOptions, cross_entropy, eval_step, train_step
+from lowrank_attn.train.train import NonFiniteError, Preempted, train_and_evaluate

@@ -60,9 +60,6 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def all_steps(self) -> list[int]:
-    return list(self._manager.all_steps())
-
   def save(self, step: int, state: Any, data_state: Mapping[str, Any]) -> bool:
     """Starts saving `state` at `step` (asynchronously); False if that step already exists.
 

@@ -1,45 +1,33 @@
-"""The configuration schema: every field, its default and what it means (commented once, here).
+"""The configuration schema: every field, its default and what it means (documented once).
 
 Task configs (`configs/lm.py`, `configs/mlm.py`, `configs/nmt.py`) start from
 `base_config(task)` and change values; they cannot add fields (the ConfigDict is locked, so a
 typo such as `--config.modle.emb_dim=8` fails at once). `validate(config)` checks values and
 raises a `ValueError` naming the field before any data is read or any device is touched.
 
-Attention settings are given once in `model.attention` and overridden per attention type in
-`model.encoder.attention`, `model.decoder.attention` and `model.decoder.cross_attention`, whose
-fields are None ("inherit") unless set. So
-    --config.model.attention.gated=True                        gates on all three types
-    --config.model.encoder.attention.kind=collaborative        collaborative encoder only
+The training fields are documented below. The `model` fields are derived from the dataclasses
+that define them and are documented there, once: `lowrank_attn.models.TransformerConfig`
+(sizes, norms, dropout, ...) and `lowrank_attn.attention.AttentionSpec` (attention options);
+`config.data` from `lowrank_attn.data.DataConfig`. Attention options are given once in
+`model.attention` and overridden per attention type in `model.encoder_attention`,
+`model.decoder_attention` and `model.cross_attention`, whose fields are None ("inherit") unless
+set. So
+    --config.model.attention.gated=True                       gates on all three types
+    --config.model.encoder_attention.kind=collaborative       collaborative encoder only
+    --config.model.encoder_attention.num_heads='(8,8,4)'      per-layer head counts
 """
 
+import re
 from typing import Any
 
-import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_dict
 
 from lowrank_attn import data as data_lib
-from lowrank_attn import models
+from lowrank_attn import models, schema, sharding
 from lowrank_attn.attention import AttentionSpec
-from lowrank_attn.train import optim, sharding
-
-TASKS = ('lm', 'mlm', 'nmt')
-DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
-
-# Attention fields: default value (model.attention) and type (for the per-type overrides).
-_ATTENTION_FIELDS: dict[str, tuple[Any, type]] = {
-    'kind': ('concat', str),  # 'concat' | 'fixed_head' | 'collaborative' | 'talking_heads'
-    'num_heads': (8, int),
-    'qkv_features': (None, int),  # total q/k/v width; None: model.emb_dim
-    'head_dim': (None, int),  # per-head width; required by 'fixed_head'
-    'key_dim': (None, int),  # 'collaborative': shared query/key width (None: full)
-    'mixing_init': ('concatenate', str),  # 'collaborative': 'concatenate'|'all_ones'|'random'
-    'logit_scale': (None, float),  # None: 1/sqrt(per-head query/key width)
-    'gated': (False, bool),  # hard-concrete head gates (Voita et al. 2019)
-    'gate_temperature': (0.33, float),
-    'gate_log_alpha_init': (3.0, float),  # 3.0: every gate starts fully open
-    'dropout_rate': (0.0, float),  # dropout on the attention weights
-}
+from lowrank_attn.attention.spec import SIZE_FIELDS
+from lowrank_attn.train import optim, tasks
 
 # Maxtext-style rules: logical axis -> mesh axes. 'batch' takes data and fsdp (FSDP splits the
 # batch like data parallelism); parameters' 'embed' dimension is sharded by fsdp; heads, MLP
@@ -58,26 +46,35 @@ DEFAULT_RULES = (
 )
 
 
-def _placeholder(value, kind):
-  return config_dict.placeholder(kind) if value is None else value
+def _model_exclude(task: tasks.Task) -> tuple[str, ...]:
+  """TransformerConfig fields that are not config entries: set from data, or unused by task."""
+  layer_fields = ('num_encoder_layers', 'num_decoder_layers')
+  return ('vocab_size', *(f'{t}_attention' for t in models.ATTENTION_TYPES),
+          *(f for f in layer_fields if f not in task.layer_fields))
 
 
-def _attention_defaults() -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(
-      {name: _placeholder(value, kind) for name, (value, kind) in _ATTENTION_FIELDS.items()})
-
-
-def _attention_overrides() -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(
-      {name: config_dict.placeholder(kind) for name, (_, kind) in _ATTENTION_FIELDS.items()})
+def _model_config_dict(task: tasks.Task) -> ml_collections.ConfigDict:
+  model = schema.config_dict(models.TransformerConfig, exclude=_model_exclude(task),
+                             **{field: 6 for field in task.layer_fields})  # Transformer-base
+  default = models.config.DEFAULT_ATTENTION.options()
+  model.attention = schema.config_dict(AttentionSpec, exclude=SIZE_FIELDS, **default)
+  for attention_type in task.attention_types:
+    model[f'{attention_type}_attention'] = schema.config_dict(
+        AttentionSpec, exclude=SIZE_FIELDS, inherit=True)
+  return model
 
 
 def base_config(task: str) -> ml_collections.ConfigDict:
   """All fields with their defaults (Transformer-base sizes); locked against new keys."""
-  if task not in TASKS:
-    raise ValueError(f'task={task!r} is not one of {TASKS}.')
+  task_record = tasks.get(task)
   c = ml_collections.ConfigDict()
   c.task = task  # 'lm' (decoder-only), 'mlm' (BERT-style encoder), 'nmt' (encoder-decoder)
+  # Warm start: 'DIR' or 'DIR:STEP', another run whose parameters initialise this one (matched
+  # by parameter path; not its optimizer state or step). New parameters keep their init.
+  c.init_from = config_dict.placeholder(str)
+  # Regular expression over parameter paths ('encoder/layers/0/self_attention/query_kernel'):
+  # only matching parameters train, the others stay bitwise unchanged. None: all train.
+  c.trainable = config_dict.placeholder(str)
 
   # ---- Run length, batches, cadence. Steps count optimizer updates.
   c.seed = 0  # parameters from key(seed); dropout key of step s: fold_in(key(seed + 1), s)
@@ -104,7 +101,9 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   c.adam_eps = 1e-9
   c.grad_clip_norm = 1.0  # global-norm clipping; 0: off
   c.label_smoothing = 0.0  # e.g. 0.1 for translation (Vaswani et al.)
-  c.l0_penalty_weight = 0.0  # lambda of Voita et al.: loss += lambda x expected open gates
+  # lambda of Voita et al. (2019): loss += lambda x (expected open gates summed over heads,
+  # averaged over gated attention layers), as in their code; see models' aux['l0_penalty'].
+  c.l0_penalty_weight = 0.0
 
   # ---- Devices and parallelism (lowrank_attn/train/sharding.py).
   c.mesh = ml_collections.ConfigDict()
@@ -113,39 +112,20 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   c.mesh.tensor = 1  # tensor-parallel ways (heads, MLP width, vocabulary)
   c.logical_axis_rules = DEFAULT_RULES  # logical axis -> mesh axes (None: replicated)
   c.jax_distributed = False  # call jax.distributed.initialize() (multi-host TPU / GPU)
+  # Explicit cluster for jax.distributed.initialize(); None: auto-detected (TPU, SLURM, ...).
+  c.coordinator_address = config_dict.placeholder(str)  # 'host:port' of process 0
+  c.num_processes = config_dict.placeholder(int)
+  c.process_id = config_dict.placeholder(int)
+  # Steps dispatched ahead of the host: bounds how long a SIGTERM waits for the save.
+  c.max_steps_in_flight = 2
   c.peak_flops_per_device = config_dict.placeholder(float)  # for MFU; None: measure matmuls
 
-  # ---- Data: the fields of `lowrank_attn.data.make_pipeline` (documented there), i.e.
-  # name, task, data_dir, tfds_data_dir, max_length, tokenizer, vocab_size,
-  # sentencepiece_model_type, vocab_path, tokenizer_path, tokenizer_max_corpus_chars,
-  # source_lang, target_lang, packing, mlm_probability, num_workers.
+  # ---- Data: the fields of `lowrank_attn.data.DataConfig` (documented there).
   c.data = data_lib.default_data_config(task=task, packing=task != 'nmt')
 
-  # ---- Model (lowrank_attn/models).
-  c.model = ml_collections.ConfigDict()
-  c.model.emb_dim = 512  # D, the residual stream width
-  c.model.mlp_dim = 2048  # hidden width of the feed-forward blocks
-  c.model.max_length = 256  # position table size / longest decoded sequence
-  c.model.positions = 'learned'  # 'learned' | 'sinusoidal'
-  c.model.norm = 'pre'  # 'pre' (x + f(LN x)) | 'post' (LN(x + f(x)): Vaswani, BERT)
-  c.model.activation = 'gelu'  # 'gelu' | 'relu'
-  c.model.dropout_rate = 0.1  # embeddings and residual branches
-  c.model.tie_embeddings = True  # output layer = transposed token embeddings
-  c.model.scale_embeddings = True  # token embeddings x sqrt(D) (False for BERT weights)
-  c.model.layer_norm_epsilon = 1e-6
-  c.model.dtype = 'float32'  # computation dtype: 'float32' | 'bfloat16' (params stay float32)
-  c.model.type_vocab_size = 0  # mlm: BERT token-type embeddings (2 for BERT); 0: none
-  c.model.attention = _attention_defaults()  # every attention type, unless overridden below
-  if task in ('mlm', 'nmt'):
-    c.model.encoder = ml_collections.ConfigDict()
-    c.model.encoder.num_layers = 6
-    c.model.encoder.attention = _attention_overrides()  # encoder self-attention
-  if task in ('lm', 'nmt'):
-    c.model.decoder = ml_collections.ConfigDict()
-    c.model.decoder.num_layers = 6
-    c.model.decoder.attention = _attention_overrides()  # decoder (causal) self-attention
-    if task == 'nmt':
-      c.model.decoder.cross_attention = _attention_overrides()  # encoder-decoder attention
+  # ---- Model: the fields of `lowrank_attn.models.TransformerConfig` and, per attention type,
+  # of `lowrank_attn.attention.AttentionSpec` (documented there; see the module docstring).
+  c.model = _model_config_dict(task_record)
 
   # ---- Decoding and BLEU during evaluation (nmt).
   c.decode = ml_collections.ConfigDict()
@@ -197,27 +177,39 @@ def _get(c, field: str):
   return c
 
 
-def attention_fields(config, attention_type: str) -> tuple[str, dict[str, Any]]:
-  """(config path, resolved fields) of one attention type: defaults + its overrides."""
-  path = {'encoder': 'model.encoder.attention', 'decoder': 'model.decoder.attention',
-          'cross': 'model.decoder.cross_attention'}[attention_type]
-  fields = dict(config.model.attention)
-  fields.update({k: v for k, v in _get(config, path).items() if v is not None})
-  return path, fields
+def attention_options(config, attention_type: str) -> dict[str, Any]:
+  """One attention type's options: `model.attention`, overridden by its non-None fields."""
+  options = schema.values_of(config.model.attention)
+  overrides = schema.values_of(config.model.get(f'{attention_type}_attention'))
+  options.update({k: v for k, v in overrides.items() if v is not None})
+  return options
 
 
-def attention_types(task: str) -> tuple[str, ...]:
-  return {'lm': ('decoder',), 'mlm': ('encoder',), 'nmt': ('encoder', 'decoder', 'cross')}[task]
+def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> models.TransformerConfig:
+  """The models' `TransformerConfig` of a task config; ValueError naming the config field."""
+  task = tasks.get(config.task)
+  schema.build(AttentionSpec, schema.values_of(config.model.attention), 'model.attention')
+  values = {k: v for k, v in schema.values_of(config.model).items()
+            if k != 'attention' and not k.endswith('_attention')}
+  for attention_type in models.ATTENTION_TYPES:
+    if attention_type in task.attention_types:
+      path = f'model.{attention_type}_attention'
+      values[f'{attention_type}_attention'] = schema.build(
+          AttentionSpec, attention_options(config, attention_type), path)
+  for field in ('num_encoder_layers', 'num_decoder_layers'):
+    values.setdefault(field, 0)  # the task has no such stack
+  return schema.build(models.TransformerConfig, values, 'model', vocab_size=vocab_size)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first invalid field; returns None if all are valid."""
   c = config
-  _check_choice(c, 'task', TASKS)
+  _check_choice(c, 'task', tuple(tasks.TASKS))
   if c.data.task != c.task:
     _fail('data.task', c.data.task, f'must equal config.task={c.task!r}')
   for field in ('num_train_steps', 'per_device_batch_size', 'grad_accum_steps',
-                'log_every_steps', 'checkpoint_every_steps', 'keep_checkpoints'):
+                'log_every_steps', 'checkpoint_every_steps', 'keep_checkpoints',
+                'max_steps_in_flight'):
     _check_int(c, field, 1)
   _check_int(c, 'seed', 0)
   _check_int(c, 'eval_every_steps', 0)
@@ -236,6 +228,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _check_float(c, 'l0_penalty_weight', 0.0)
   if c.peak_flops_per_device is not None:
     _check_float(c, 'peak_flops_per_device', 1.0)
+  if c.trainable is not None:
+    try:
+      re.compile(c.trainable)
+    except re.error as e:
+      _fail('trainable', c.trainable, f'not a regular expression ({e})')
+  if c.init_from is not None and not c.init_from:
+    _fail('init_from', c.init_from, "expected 'DIR' or 'DIR:STEP'")
 
   for axis in sharding.MESH_AXES:
     _check_int(c, f'mesh.{axis}', 1, allow=(-1,))
@@ -247,71 +246,49 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _fail('logical_axis_rules', c.logical_axis_rules,
           f'no rule for logical axes {missing} (add e.g. ({missing[0]!r}, None))')
 
-  # The data package validates its own fields when the pipeline is built; the model needs:
   _check_int(c, 'data.max_length', 2)
-
-  m = c.model
-  for field in ('emb_dim', 'mlp_dim', 'max_length'):
-    _check_int(c, f'model.{field}', 1)
-  _check_int(c, 'model.type_vocab_size', 0)
-  _check_choice(c, 'model.positions', models.config.POSITIONS)
-  _check_choice(c, 'model.norm', models.config.NORMS)
-  _check_choice(c, 'model.activation', models.config.ACTIVATIONS)
-  _check_choice(c, 'model.dtype', DTYPES)
-  _check_float(c, 'model.dropout_rate', 0.0, 1.0)
-  _check_float(c, 'model.layer_norm_epsilon', 0.0)
-  if m.positions == 'learned' and c.data.max_length > m.max_length:
-    _fail('model.max_length', m.max_length,
+  model = model_config(c, vocab_size=1)  # every field and every layer's attention
+  if model.positions == 'learned' and c.data.max_length > model.max_length:
+    _fail('model.max_length', model.max_length,
           f'learned positions need >= data.max_length={c.data.max_length}')
-  for stack in ('encoder', 'decoder'):
-    if stack in m:
-      _check_int(c, f'model.{stack}.num_layers', 1)
-  for attention_type in attention_types(c.task):
-    path, fields = attention_fields(c, attention_type)
-    try:
-      models.AttentionConfig(**fields)
-      AttentionSpec(num_heads=fields['num_heads'], in_features=m.emb_dim, kind=fields['kind'],
-                    qkv_features=fields['qkv_features'], head_dim=fields['head_dim'],
-                    key_dim=fields['key_dim'], logit_scale=fields['logit_scale'],
-                    gated=fields['gated'])
-    except (ValueError, TypeError) as e:
-      shown = {k: v for k, v in fields.items() if v is not None}
-      raise ValueError(f'config.{path} is invalid: {e} (settings after merging '
-                       f'config.model.attention with config.{path}: {shown})') from None
-
   if c.task == 'nmt':
     _check_int(c, 'decode.beam_size', 1)
     _check_float(c, 'decode.length_penalty', 0.0)
     _check_int(c, 'decode.max_length', 1)
     _check_int(c, 'decode.num_examples', 0, allow=(-1,))
-    if m.positions == 'learned' and c.decode.max_length > m.max_length:
+    if model.positions == 'learned' and c.decode.max_length > model.max_length:
       _fail('decode.max_length', c.decode.max_length,
-            f'must be <= model.max_length={m.max_length} with learned positions')
+            f'must be <= model.max_length={model.max_length} with learned positions')
 
 
-def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> models.TransformerConfig:
-  """The models' `TransformerConfig` for a (validated) task config and a vocabulary size."""
-  m = config.model
-  attention = {}
-  for attention_type in models.ATTENTION_TYPES:
-    if attention_type in attention_types(config.task):
-      attention[attention_type] = models.AttentionConfig(
-          **attention_fields(config, attention_type)[1])
-    else:
-      attention[attention_type] = models.AttentionConfig()
-  return models.TransformerConfig(
-      vocab_size=vocab_size, emb_dim=m.emb_dim, mlp_dim=m.mlp_dim,
-      num_encoder_layers=m.encoder.num_layers if 'encoder' in m else 0,
-      num_decoder_layers=m.decoder.num_layers if 'decoder' in m else 0,
-      encoder_attention=attention['encoder'], decoder_attention=attention['decoder'],
-      cross_attention=attention['cross'], max_length=m.max_length, positions=m.positions,
-      norm=m.norm, activation=m.activation, dropout_rate=m.dropout_rate,
-      tie_embeddings=m.tie_embeddings, scale_embeddings=m.scale_embeddings,
-      type_vocab_size=m.type_vocab_size, layer_norm_epsilon=m.layer_norm_epsilon,
-      dtype=DTYPES[m.dtype], param_dtype=jnp.float32)
+def shrink(config: ml_collections.ConfigDict, *, emb_dim: int = 128, num_layers: int = 2,
+           num_heads: int = 4, length: int = 128, steps: int = 100,
+           batch: int = 32) -> ml_collections.ConfigDict:
+  """A config's tiny variant: small model, short run, frequent logs, no dropout (in place).
+
+  What every config's `tiny` shares; each config then sets what is specific to its task.
+  """
+  c = config
+  c.num_train_steps = steps
+  c.per_device_batch_size = batch
+  c.data.max_length = length
+  c.model.max_length = length
+  c.model.emb_dim = emb_dim
+  c.model.mlp_dim = 4 * emb_dim
+  c.model.attention.num_heads = num_heads
+  for field in tasks.get(c.task).layer_fields:
+    c.model[field] = num_layers
+  c.model.dropout_rate = 0.0
+  c.label_smoothing = 0.0
+  c.learning_rate = 3e-3
+  c.warmup_steps = 10
+  c.log_every_steps = 10
+  c.eval_every_steps = 0  # only at the end
+  c.checkpoint_every_steps = steps // 2
+  c.num_eval_steps = 4
+  return c
 
 
 def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """JSON-ready nested dict (tuples become lists)."""
   return config.to_dict()
-

@@ -141,14 +141,11 @@ def bleu(s, params, pipeline, tokenizer, decode_config) -> dict[str, float]:
   References are the detokenised target ids, so the score measures the model, not the
   tokenizer's round trip. `decode_config`: beam_size, length_penalty, max_length, num_examples.
   """
-  from lowrank_attn.train import sharding  # avoid an import cycle at module load
-
   hypotheses, references = [], []
   limit = decode_config.num_examples
   for batch in pipeline:
-    shardings = sharding.batch_shardings({k: v.shape for k, v in batch.items()}, s.mesh, s.rules)
-    global_batch = sharding.global_batch(batch, shardings, jax.process_count())
-    with jax.set_mesh(s.mesh), nnx.logical_axis_rules(s.rules):
+    global_batch = s.global_batch(batch)
+    with s.activate():
       out = translate(s.graphdef, params, global_batch['inputs'], bos_id=tokenizer.bos_id,
                       eos_id=tokenizer.eos_id, max_length=decode_config.max_length,
                       beam_size=decode_config.beam_size,

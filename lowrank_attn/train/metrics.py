@@ -1,5 +1,10 @@
 """Metrics out of a run: TensorBoard events, a JSON-lines file, a progress line, MFU.
 
+MFU divides achieved matmul FLOP/s by a peak that says where it came from
+(`peak_flops_per_device`): on TPU the chip's published bf16 peak (tpu/chips.py); elsewhere
+the best of several large matmuls, with their spread. Every MFU is printed beside the
+achieved GFLOP/s it came from, so a reader can redo the division with another peak.
+
 TensorBoard files are written with tensorboard's own `EventFileWriter` (no TensorFlow needed)
 and read back by `tensorboard` or `EventAccumulator`. `<workdir>/metrics.jsonl` has one
 `{"step", "split", ...}` object per line; a resumed run appends, so a reader should keep the
@@ -7,6 +12,8 @@ last line per (split, step).
 """
 
 from collections.abc import Mapping
+import functools
+import importlib.util
 import json
 import math
 import os
@@ -80,24 +87,85 @@ class MetricWriter:
       self.active = False
 
 
-def measure_peak_flops_per_device(dtype=jnp.float32, size: int = 1024, repeats: int = 5) -> float:
-  """Matmul FLOP/s per device, measured with every local device busy at once.
+class PeakFlops(float):
+  """FLOP/s per device: a float (so existing arithmetic keeps working) that also says where
+  it came from (`source`) and, when measured, the spread of the samples (`spread`, min and
+  max FLOP/s)."""
 
-  Devices are loaded together because virtual CPU devices share the host's cores: their
-  combined throughput, not one device's, is what a sharded step can reach.
+  source: str
+  spread: tuple[float, float] | None
+
+  def __new__(cls, value: float, source: str, spread: tuple[float, float] | None = None):
+    peak = super().__new__(cls, value)
+    peak.source, peak.spread = source, spread
+    return peak
+
+  def __reduce__(self):
+    return PeakFlops, (float(self), self.source, self.spread)
+
+
+def measure_peak_flops_per_device(dtype=jnp.float32, size: int = 2048,
+                                  repeats: int = 7) -> PeakFlops:
+  """Matmul FLOP/s per device: the best of `repeats` timed `size`^3 matmuls, every local device
+  busy at once.
+
+  The best sample, not the mean: background load only ever slows a sample down, and a short
+  probe (one 1024^3 matmul, as before) read 171 and 470 GFLOP/s in two runs on the same
+  2-core machine. Devices are loaded together because virtual CPU devices share the host's
+  cores: their combined throughput, not one device's, is what a sharded step can reach.
   """
   devices = jax.local_devices()
   mesh = jax.sharding.Mesh(np.array(devices), ('d',))
   sharding = NamedSharding(mesh, P('d'))
   x = jax.device_put(jnp.ones((len(devices), size, size), dtype), sharding)
   matmul = jax.jit(lambda a: jnp.einsum('bij,bjk->bik', a, a), out_shardings=sharding)
-  matmul(x).block_until_ready()  # compile
-  best = math.inf
+  for _ in range(2):  # compile, then one untimed run to warm caches and thread pools
+    matmul(x).block_until_ready()
+  samples = []
   for _ in range(repeats):
     start = time.perf_counter()
     matmul(x).block_until_ready()
-    best = min(best, time.perf_counter() - start)
-  return 2 * size ** 3 / best
+    samples.append(2 * size ** 3 / (time.perf_counter() - start))
+  low, best = min(samples), max(samples)
+  source = (f'measured: best of {repeats} {size}^3 {jnp.dtype(dtype).name} matmuls on '
+            f'{len(devices)} {devices[0].platform} device(s); samples {low / 1e9:,.0f}-'
+            f'{best / 1e9:,.0f} GFLOP/s per device')
+  return PeakFlops(best, source, (low, best))
+
+
+@functools.cache
+def _tpu_chips():
+  """tpu/chips.py of this checkout (the table of published TPU peaks), or None.
+
+  Loaded by path: tpu/ holds launch scripts, not a package, and is present in the editable
+  installs (`pip install -e`) that `make venv` and tpu/launch.py make.
+  """
+  path = os.path.join(os.path.dirname(__file__), '..', '..', 'tpu', 'chips.py')
+  if not os.path.exists(path):
+    return None
+  spec = importlib.util.spec_from_file_location('lowrank_attn_tpu_chips', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def peak_flops_per_device(dtype=jnp.float32, device=None) -> PeakFlops:
+  """The peak MFU divides by, with its source.
+
+  TPU: the chip's published bf16 peak (the figure MFU is conventionally quoted against, also
+  for float32 programs, which run at a fraction of it). Other devices: measured
+  (`measure_peak_flops_per_device`). For reference, the 2-core x86 machine the project's
+  benchmarks ran on is about 300 GFLOP/s float32 by the project brief; its measured best
+  ranged 170-470 GFLOP/s under other users' load, which is why the spread is reported.
+  """
+  device = device or jax.local_devices()[0]
+  if device.platform == 'tpu':
+    chips = _tpu_chips()
+    chip = chips and chips.chip_of(device.device_kind)
+    if chip is not None:
+      return PeakFlops(chip.peak_bf16_flops,
+                       f'published bf16 peak of {chip.name} ({chip.source})')
+  return measure_peak_flops_per_device(dtype)
 
 
 def say(line: str) -> None:
@@ -107,6 +175,11 @@ def say(line: str) -> None:
       sys.stderr.write('\r\033[K')
       sys.stderr.flush()
     print(line, flush=True)
+
+
+def format_mfu(rates: Mapping[str, float]) -> str:
+  """'1,234 GFLOP/s = MFU 41.1%': the achieved rate beside every MFU, so it can be re-divided."""
+  return f'{rates["flops_per_sec"] / 1e9:,.0f} GFLOP/s = MFU {100 * rates["mfu"]:.1f}%'
 
 
 class Progress:
@@ -148,6 +221,7 @@ class Progress:
     self._window_steps += steps
 
   def rates(self, window: bool = True) -> dict[str, float]:
+    """steps/s, tokens/s, achieved matmul FLOP/s (all devices) and MFU = that / peak."""
     steps, secs = ((self._window_steps, self._window_secs) if window
                    else (self._timed_steps, self._timed_secs))
     if self._start is not None:
@@ -155,9 +229,11 @@ class Progress:
     if steps == 0 or secs <= 0:
       return {}
     steps_per_sec = steps / secs
+    flops_per_sec = steps_per_sec * self.flops_per_step
     return {'steps_per_sec': steps_per_sec,
             'tokens_per_sec': steps_per_sec * self.tokens_per_step,
-            'mfu': steps_per_sec * self.flops_per_step / self.peak_flops}
+            'flops_per_sec': flops_per_sec,
+            'mfu': flops_per_sec / self.peak_flops}
 
   def due(self, step: int) -> bool:
     """Whether a progress line is due (`every_secs` since the last one); redraws the bar."""
@@ -180,7 +256,7 @@ class Progress:
     line = f'step {step}/{self.num_train_steps}  loss {loss:.4f}'
     if rates:
       line += (f'  {rates["steps_per_sec"]:.2f} steps/s  {rates["tokens_per_sec"]:,.0f} tokens/s'
-               f'  MFU {100 * rates["mfu"]:.1f}%')
+               f'  {format_mfu(rates)}')
     say(line)
 
   def _bar(self, step: int) -> None:

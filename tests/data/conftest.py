@@ -16,17 +16,17 @@ def shared_data_dir() -> pathlib.Path:
   return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope='session')
 def tfds_dir(tmp_path_factory, shared_data_dir) -> str:
   """Prepared ArrayRecord datasets, shared by all tests (preparing takes ~1 s per dataset)."""
   del shared_data_dir  # only its check: builders read $LOWRANK_ATTN_DATA themselves
-  return str(tmp_path_factory.mktemp("tfds"))
+  return str(tmp_path_factory.mktemp('tfds'))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope='session')
 def workdir(tmp_path_factory) -> str:
   """A run directory whose cached tokenizers are shared by the tests that use the same one."""
-  return str(tmp_path_factory.mktemp("workdir"))
+  return str(tmp_path_factory.mktemp('workdir'))
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ V = 40
 
 
 def cfg(**overrides):
-  attention = models.AttentionConfig(num_heads=4)
+  attention = models.AttentionSpec(num_heads=4)
   base = dict(vocab_size=V, emb_dim=32, mlp_dim=64, num_encoder_layers=2,
               num_decoder_layers=2, encoder_attention=attention, decoder_attention=attention,
               cross_attention=attention, max_length=16, dropout_rate=0.0)
@@ -41,7 +41,7 @@ def tokens(shape, seed=0, low=3):
 
 @pytest.mark.parametrize('kind', ['lm', 'mlm', 'nmt'])
 def test_every_parameter_has_logical_axes(kind):
-  model = build(kind, cfg(encoder_attention=models.AttentionConfig(
+  model = build(kind, cfg(encoder_attention=models.AttentionSpec(
       num_heads=4, kind='collaborative', key_dim=16, gated=True), tie_embeddings=False))
   params = nnx.state(model, nnx.Param)
   for path, variable in jax.tree_util.tree_flatten_with_path(
@@ -89,7 +89,7 @@ def test_mlm_ignores_padding_and_has_bert_hooks():
 
 @pytest.mark.parametrize('kind', ['concat', 'collaborative', 'talking_heads'])
 def test_translation_cache_decoding_matches_teacher_forcing(kind):
-  attention = models.AttentionConfig(num_heads=4, kind=kind)
+  attention = models.AttentionSpec(num_heads=4, kind=kind)
   model = build('nmt', cfg(decoder_attention=attention, positions='sinusoidal'))
   src = tokens((2, 9)).at[1, 6:].set(0)
   tgt = tokens((2, 6), seed=3)
@@ -103,21 +103,59 @@ def test_translation_cache_decoding_matches_teacher_forcing(kind):
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5)
 
 
-def test_attention_kind_per_type_and_gates():
-  config = cfg(encoder_attention=models.AttentionConfig(num_heads=4, kind='collaborative',
+@pytest.mark.parametrize('kind', ['lm', 'nmt'])
+def test_decoding_without_positions_continues_from_the_cache(kind):
+  """decode=True without `positions`: each step's position comes from the cache, not 0.
+
+  Learned positions, so a wrong position changes the logits; a prefill chunk of 3 tokens,
+  then one token at a time.
+  """
+  model = build(kind, cfg(positions='learned'))
+  n = 7
+  if kind == 'lm':
+    inputs = tokens((2, n))
+    full, _ = jit(lambda m, x: m(x))(model, inputs)
+    step = jit(lambda m, x: m(x, decode=True)[0])
+  else:
+    src = tokens((2, 9)).at[1, 6:].set(0)
+    tgt = tokens((2, n), seed=3)
+    full, _ = jit(lambda m, s, t: m(s, t))(model, src, tgt)
+    encoded, _ = jit(lambda m, s: m.encode(s))(model, src)
+    inputs = jnp.concatenate([jnp.full((2, 1), model.bos_id, jnp.int32), tgt[:, :-1]], axis=1)
+    step = jit(lambda m, t: m.decode(encoded, src, t, decode=True)[0])
+  model.init_cache(2, n)
+  chunks = [(0, 3)] + [(t, t + 1) for t in range(3, n)]
+  steps = [step(model, inputs[:, start:stop]) for start, stop in chunks]
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5)
+
+
+def test_attention_kind_per_type_and_gates(numpy_reference):
+  config = cfg(encoder_attention=models.AttentionSpec(num_heads=4, kind='collaborative',
                                                         key_dim=16),
-               decoder_attention=models.AttentionConfig(num_heads=4, gated=True),
-               cross_attention=models.AttentionConfig(num_heads=2, kind='fixed_head',
+               decoder_attention=models.AttentionSpec(num_heads=4, gated=True),
+               cross_attention=models.AttentionSpec(num_heads=2, kind='fixed_head',
                                                       head_dim=8, gated=True))
   model = build('nmt', config)
   assert model.encoder.layers[0].self_attention.spec.kind == 'collaborative'
   assert model.decoder.layers[0].self_attention.spec.kind == 'concat'
   assert model.decoder.layers[1].cross_attention.spec.num_heads == 2
+  # Fresh gates are open at evaluation: a freshly gated model computes its ungated version.
+  gated = [layer.self_attention for layer in model.decoder.layers] + [
+      layer.cross_attention for layer in model.decoder.layers]
+  assert all(np.all(np.asarray(a.gate_values()) == 1.0) for a in gated)
+  # The penalty with the default gate settings is Voita et al.'s (numpy reference, eq. 12),
+  # for each of the 2 x (4 + 2) gated heads; log alphas set here, not the library's default.
+  rng = np.random.default_rng(0)
+  log_alphas = [rng.uniform(-3, 3, a.num_heads).astype(np.float32) for a in gated]
+  for a, log_alpha in zip(gated, log_alphas):
+    a.gate_log_alpha[...] = log_alpha
   _, aux = jit(lambda m, s, t: m(s, t))(model, tokens((2, 5)), tokens((2, 4)))
-  # Gates start almost surely open (log_alpha 3): P(open) = sigmoid(3 - beta log(-low/high))
-  # (Louizos et al. eq. 12) for each of the 2 x (4 + 2) gated heads.
-  p_open = jax.nn.sigmoid(3.0 - 0.33 * np.log(0.1 / 1.1))
-  np.testing.assert_allclose(aux['l0_penalty'], 12 * p_open, rtol=1e-5)
+  ref = numpy_reference
+  per_layer = [ref.hard_concrete_prob_open(a, ref.VOITA_TEMPERATURE, ref.STRETCH).sum()
+               for a in log_alphas]
+  # Voita et al.'s penalty sums over heads and averages over the 4 gated attention layers.
+  np.testing.assert_allclose(aux['l0_penalty_sum'], sum(per_layer), rtol=1e-5)
+  np.testing.assert_allclose(aux['l0_penalty'], np.mean(per_layer), rtol=1e-5)
 
 
 def test_head_masks_and_attention_weights():
@@ -164,20 +202,21 @@ def test_dropout_uses_call_rngs_and_models_hold_no_rng_state():
   model = build('lm', cfg(dropout_rate=0.5))
   assert not jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param)))
   x = tokens((2, 8))
-  run = jax.jit(lambda state, x, key: nnx.merge(*state)(
-      x, deterministic=False, rngs=nnx.Rngs(dropout=key))[0])
-  state = nnx.split(model)
-  a, b, c = (run(state, x, jax.random.key(seed)) for seed in (0, 0, 1))
+  # Calls on the same (stateful) module object: a stream kept inside the model would advance
+  # between the two calls with key 0 and give them different masks.
+  run = jit(lambda m, x, key: m(x, deterministic=False, rngs=nnx.Rngs(dropout=key))[0])
+  a, b, c = (run(model, x, jax.random.key(seed)) for seed in (0, 0, 1))
   np.testing.assert_array_equal(a, b)
   assert not np.allclose(a, c)
+  assert not np.allclose(a, jit(lambda m, x: m(x)[0])(model, x))  # dropout is active
 
 
 def test_invalid_model_settings_are_rejected():
   with pytest.raises(ValueError, match='norm'):
     cfg(norm='sandwich')
-  with pytest.raises(ValueError, match='attention kind'):
-    models.AttentionConfig(kind='linear')
+  with pytest.raises(ValueError, match="kind='linear'"):
+    models.AttentionSpec(num_heads=4, kind='linear')
   with pytest.raises(ValueError, match='num_decoder_layers'):
     build('lm', cfg(num_decoder_layers=0))
   with pytest.raises(ValueError, match='head_dim'):
-    build('lm', cfg(decoder_attention=models.AttentionConfig(kind='fixed_head')))
+    build('lm', cfg(decoder_attention=models.AttentionSpec(num_heads=4, kind='fixed_head')))

@@ -206,17 +206,31 @@ def test_attention_weights_on_request_and_sown():
   np.testing.assert_array_equal(sown['attention_weights'][0], weights)
 
 
-def test_gated_layer_penalty_mask_and_modes():
+def test_gated_layer_penalty_mask_and_modes(numpy_reference):
+  """Gates with the layer's default settings follow Voita et al.'s code (numpy reference)."""
+  ref = numpy_reference
   layer = lnn.MultiHeadAttention(H, D, gated=True, rngs=nnx.Rngs(0))
-  assert float(layer.l0_penalty()) == pytest.approx(H * float(jax.nn.sigmoid(
-      3.0 - 0.33 * math.log(0.1 / 1.1))), rel=1e-6)
-  layer.gate_log_alpha[...] = jnp.array([-6.0, 3.0, 3.0, 0.0])
+  np.testing.assert_array_equal(layer.gate_values(), 1.0)  # fresh: computes the ungated layer
+  log_alpha = np.array([-6.0, 3.0, 1.2, 0.0], np.float32)
+  layer.gate_log_alpha[...] = log_alpha
+  np.testing.assert_allclose(
+      layer.l0_penalty(),
+      ref.hard_concrete_prob_open(log_alpha, ref.VOITA_TEMPERATURE, ref.STRETCH).sum(), rtol=1e-6)
   np.testing.assert_array_equal(layer.pruning_mask(), [False, True, True, True])
-  np.testing.assert_allclose(layer.gate_values(), [0.0, 1.0, 1.0, 0.5], atol=1e-6)
+  expected_gates = ref.hard_concrete_eval(log_alpha, ref.STRETCH)
+  np.testing.assert_allclose(layer.gate_values(), expected_gates, atol=1e-6)
   x = inputs()
   with pytest.raises(ValueError, match='deterministic must be given'):
     layer(x)
-  np.testing.assert_array_equal(layer(x, deterministic=True), layer(x, deterministic=True))
+  # Evaluation: each head's output scaled by its eq.-13 gate, i.e. the open layer with those
+  # factors as a head mask.
+  gated_out = layer(x, deterministic=True)
+  layer.gate_log_alpha[...] = jnp.full((H,), 10.0)
+  np.testing.assert_allclose(gated_out, layer(x, deterministic=True,
+                                              head_mask=expected_gates.astype(np.float32)),
+                             atol=1e-6)
+  assert not np.allclose(gated_out, layer(x, deterministic=True), atol=1e-3)
+  layer.gate_log_alpha[...] = log_alpha
   assert not np.allclose(layer(x, deterministic=False), layer(x, deterministic=False))
   assert float(lnn.MultiHeadAttention(H, D, rngs=nnx.Rngs(0)).l0_penalty()) == 0.0
 

@@ -21,7 +21,7 @@ def main():
   from lowrank_attn.train import train  # pylint: disable=g-import-not-at-top
 
   config = conftest.override(conftest.load_config('lm', 'tiny'), {
-      **conftest.SMALL_MODEL, 'model.decoder.num_layers': 1, 'model.dropout_rate': 0.1,
+      **conftest.SMALL_MODEL, 'model.num_decoder_layers': 1, 'model.dropout_rate': 0.1,
       'num_train_steps': int(steps), 'checkpoint_every_steps': 6, 'log_every_steps': 4,
       'data.tfds_data_dir': tfds_dir, 'peak_flops_per_device': 1e11,
       'per_device_batch_size': 2, 'mesh.data': 2, 'mesh.fsdp': 2,

@@ -3,9 +3,11 @@
 The kill tests run the real command line in a subprocess on one CPU device.
 """
 
+import fcntl
 import os
 import pathlib
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -15,13 +17,14 @@ import jax
 import numpy as np
 import pytest
 
-from lowrank_attn.train import checkpoints, train
+from lowrank_attn import train
+from lowrank_attn.train import checkpoints
 
 STEPS = 90
 
 
-def command(helpers, workdir, tfds_dir, steps=STEPS):
-  values = {**helpers.small_model, 'model.decoder.num_layers': 1, 'model.dropout_rate': 0.1,
+def command(helpers, workdir, tfds_dir, steps=STEPS, **extra):
+  values = {**extra, **helpers.small_model, 'model.num_decoder_layers': 1, 'model.dropout_rate': 0.1,
             'num_train_steps': steps, 'checkpoint_every_steps': 3, 'keep_checkpoints': 2,
             'log_every_steps': 5, 'eval_every_steps': 0, 'num_eval_steps': 1,
             'data.tfds_data_dir': tfds_dir, 'peak_flops_per_device': 1e11}
@@ -29,10 +32,10 @@ def command(helpers, workdir, tfds_dir, steps=STEPS):
           f'--workdir={workdir}', *helpers.cli_overrides(values)]
 
 
-def start(helpers, cmd):
+def start(helpers, cmd, stdout=subprocess.PIPE):
   # One device: the command must not inherit the tests' 8 virtual devices.
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  return subprocess.Popen(cmd, cwd=helpers.root, env=env, stdout=subprocess.PIPE,
+  return subprocess.Popen(cmd, cwd=helpers.root, env=env, stdout=stdout,
                           stderr=subprocess.STDOUT, text=True)
 
 
@@ -115,18 +118,52 @@ def test_repeated_sigkills_then_resume_is_bitwise_exact(helpers, tfds_dir, tmp_p
   assert_bitwise_equal(state['params'], reference['params'])
 
 
+def read_from(fd, deadline, until: str | None = None) -> str:
+  """What the pipe `fd` gives until EOF, or just up to the end of the line holding `until`.
+
+  Byte by byte when looking for `until`, so nothing beyond that line leaves the pipe.
+  """
+  data = b''
+  while True:
+    ready, _, _ = select.select([fd], [], [], max(deadline - time.time(), 0))
+    assert ready, f'no output for too long; so far:\n{data.decode(errors="replace")}'
+    chunk = os.read(fd, 1 if until else 65536)
+    if not chunk:
+      return data.decode(errors='replace')
+    data += chunk
+    if until and chunk == b'\n' and until.encode() in data.rsplit(b'\n', 2)[-2]:
+      return data.decode(errors='replace')
+
+
+# The smallest pipe Linux makes: one page.
+PIPE_BYTES = 4096
+
+
 def test_sigterm_saves_then_resume_is_exact(helpers, tfds_dir, tmp_path, reference):
-  cmd = command(helpers, tmp_path, tfds_dir)
-  process = start(helpers, cmd)
-  wait_for_checkpoint(tmp_path, process)
-  process.send_signal(signal.SIGTERM)
-  rc, out = finish(process)
-  if rc == 0:  # the run was already past its last step
-    pytest.skip('run finished before SIGTERM arrived')
-  assert rc == 143, out
-  assert 'preempted: saved step' in out
+  """SIGTERM mid-run saves a checkpoint and exits 143; rerunning resumes exactly.
+
+  Never a race: the run prints a progress line every step (~60 bytes, ~6 kB for the steps
+  after step 1) into a one-page pipe, and the test stops reading when step 1 is reported.
+  The run then blocks on its own output well before step 90, so the signal always arrives
+  while steps remain.
+  """
+  cmd = command(helpers, tmp_path, tfds_dir, progress_every_secs=0.0)
+  read_end, write_end = os.pipe()
+  try:
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    process = start(helpers, cmd, stdout=write_end)
+  finally:
+    os.close(write_end)
+  deadline = time.time() + 300
+  with os.fdopen(read_end, 'rb', buffering=0) as pipe:
+    out = read_from(pipe.fileno(), deadline, until=f'step 1/{STEPS} ')
+    process.send_signal(signal.SIGTERM)
+    out += read_from(pipe.fileno(), deadline)
+  rc = process.wait(timeout=max(deadline - time.time(), 1))
+  assert rc == 143, f'exit status {rc}, expected 143 (preempted):\n{out}'
+  assert 'preempted: saved step' in out, out
   saved = int(out.split('preempted: saved step ')[1].split()[0])
-  assert saved in committed_steps(tmp_path)
+  assert 1 <= saved < STEPS and saved in committed_steps(tmp_path), (saved, out)
   rc, out = finish(start(helpers, cmd))
   assert rc == 0 and f'resumed from step {saved}' in out, out
   _, state = checkpoints.load_state(str(tmp_path))
@@ -179,7 +216,7 @@ def test_restore_onto_a_different_mesh(helpers, tmp_path):
 def test_nan_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(
     helpers, tfds_dir, tmp_path):
   config = helpers.override(helpers.load_config('lm', 'tiny'), {
-      **helpers.small_model, 'model.decoder.num_layers': 1, 'data.tfds_data_dir': tfds_dir,
+      **helpers.small_model, 'model.num_decoder_layers': 1, 'data.tfds_data_dir': tfds_dir,
       'num_train_steps': 20, 'checkpoint_every_steps': 1, 'log_every_steps': 10,
       'peak_flops_per_device': 1e11,
       # The first update makes parameters ~1e37; the next forward pass overflows.

@@ -35,12 +35,16 @@ def test_unknown_variant_is_rejected(helpers):
     ('num_train_steps', 0, r'config\.num_train_steps=0'),
     ('lr_schedule', 'exp', r'config\.lr_schedule=.exp.'),
     ('mesh.data', 0, r'config\.mesh\.data=0'),
-    ('model.norm', 'sandwich', r'config\.model\.norm'),
-    ('model.dtype', 'float16', r'config\.model\.dtype'),
-    ('model.encoder.attention.kind', 'linear', r'config\.model\.encoder\.attention .*linear'),
-    ('model.attention.kind', 'fixed_head', r'config\.model\.encoder\.attention .*head_dim'),
-    ('model.decoder.cross_attention.num_heads', 3,
-     r'config\.model\.decoder\.cross_attention .*divisible'),
+    ('model.norm', 'sandwich', r"config\.model: norm='sandwich'"),
+    ('model.dtype', 'float16', r"config\.model: dtype='float16'"),
+    ('model.encoder_attention.kind', 'linear', r'config\.model\.encoder_attention: .*linear'),
+    ('model.attention.kind', 'fixed_head', r'config\.model\.attention: .*head_dim'),
+    ('model.cross_attention.num_heads', 3,
+     r'config\.model: cross_attention \(layer 0\): .*divisible'),
+    # Found only by building the gates (this used to pass validation and crash later).
+    ('model.attention.gate_temperature', 0.0, r'config\.model\.attention: .*temperature'),
+    ('model.decoder_attention.num_heads', (4, 4, 2),
+     r'decoder_attention\.num_heads=\(4, 4, 2\) gives 3 layers, the model has 2'),
     ('model.max_length', 16, r'config\.model\.max_length=16 .*data\.max_length'),
     ('logical_axis_rules', (('batch', 'data'),), r'no rule for logical axes'),
     ('logical_axis_rules', (('batch', 'model'),) , r"'model', which is not a mesh axis"),
@@ -58,7 +62,7 @@ def test_invalid_values_name_the_field(field, value, message, helpers):
 
 def test_per_type_overrides_resolve_one_line_changes(helpers):
   config = helpers.load_config('nmt', 'tiny')
-  config.model.encoder.attention.kind = 'collaborative'  # collaborative keys, encoder only
+  config.model.encoder_attention.kind = 'collaborative'  # collaborative keys, encoder only
   config.model.attention.gated = True  # gates on all three
   config_lib.validate(config)
   model = config_lib.model_config(config, vocab_size=100)
@@ -66,6 +70,18 @@ def test_per_type_overrides_resolve_one_line_changes(helpers):
   assert model.decoder_attention.kind == model.cross_attention.kind == 'concat'
   assert model.encoder_attention.gated and model.decoder_attention.gated
   assert model.cross_attention.gated
+
+
+def test_per_layer_head_counts_and_options_from_the_schema(helpers):
+  config = helpers.load_config('nmt', 'tiny')
+  config.model.encoder_attention.num_heads = (4, 2)  # e.g. a pruned encoder
+  config.model.decoder_attention.num_kv_heads = 2  # kernel options are config fields
+  config.model.attention.normalize_qk = True
+  config_lib.validate(config)
+  model = config_lib.model_config(config, vocab_size=100)
+  assert [model.attention('encoder', i).num_heads for i in range(2)] == [4, 2]
+  assert model.attention('decoder', 0).num_kv_heads == 2
+  assert model.attention('cross', 1).normalize_qk
 
 
 def _main(root, *args):
@@ -76,12 +92,12 @@ def _main(root, *args):
 
 def test_command_line_rejects_unknown_and_invalid_fields(tmp_path, helpers):
   unknown = _main(helpers.root, '--config=configs/nmt.py:tiny', f'--workdir={tmp_path}',
-                  '--config.model.encoder.attention.kindd=collaborative')
+                  '--config.model.encoder_attention.kindd=collaborative')
   assert unknown.returncode == 1
   assert 'unknown field kindd Did you mean "kind"' in unknown.stderr
   assert 'Traceback' not in unknown.stderr
   invalid = _main(helpers.root, '--config=configs/nmt.py:tiny', f'--workdir={tmp_path}',
-                  '--config.model.encoder.attention.kind=collab')
+                  '--config.model.encoder_attention.kind=collab')
   assert invalid.returncode == 1
-  assert "config.model.encoder.attention is invalid: attention kind='collab'" in invalid.stderr
+  assert "config.model.encoder_attention: kind='collab' is not one of" in invalid.stderr
   assert not os.listdir(tmp_path)  # rejected before anything was written

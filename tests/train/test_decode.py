@@ -14,7 +14,7 @@ V, BOS, EOS, MAX = 12, 1, 2, 5
 
 @pytest.fixture(scope='module', params=['concat', 'collaborative'])
 def model_state(request):
-  attention = models.AttentionConfig(num_heads=2, kind=request.param)
+  attention = models.AttentionSpec(num_heads=2, kind=request.param)
   cfg = models.TransformerConfig(
       vocab_size=V, emb_dim=16, mlp_dim=32, num_encoder_layers=1, num_decoder_layers=2,
       encoder_attention=attention, decoder_attention=attention, cross_attention=attention,

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from lowrank_attn.train import sharding, train
+from lowrank_attn import train
 
 MESHES = {
     'data': {'data': 8, 'fsdp': 1, 'tensor': 1},
@@ -37,22 +37,21 @@ def run(helpers, task, mesh, devices, steps=3, with_eval=False, **extra):
                             'model.dropout_rate': 0.1, 'lr_schedule': 'constant',
                             'warmup_steps': 0, 'learning_rate': 1e-2,
                             'per_device_batch_size': BATCH // len(devices), **extra})
-  for stack in ('encoder', 'decoder'):
-    if stack in config.model:
-      config.model[stack].num_layers = 1  # the layout, not the depth, is under test
+  for field in ('num_encoder_layers', 'num_decoder_layers'):
+    if field in config.model:
+      config.model[field] = 1  # the layout, not the depth, is under test
   for axis, size in mesh.items():
     config.mesh[axis] = size
   s = train.setup(config, vocab_size=VOCAB, bos_id=1, devices=devices)
   state = train.create_state(s)
-  shapes = {k: v.shape for k, v in batch(task, 0).items()}
-  step_fn, eval_fn, shardings = train.compile_steps(s, shapes)
+  step_fn, eval_fn = train.compile_steps(s, batch(task, 0), batch(task, 0))
   losses = []
   for i in range(steps):
-    global_batch = sharding.global_batch(batch(task, i), shardings, 1)
-    state, metrics = train._run_step(step_fn, state, global_batch, jax.random.key(1), s=s)
+    global_batch = s.global_batch(batch(task, i))
+    state, metrics = step_fn(state, global_batch, jax.random.key(1))
     losses.append(float(metrics['loss']))
   if with_eval:
-    losses.append(float(train._run_step(eval_fn, state['params'], global_batch, s=s)['nll']))
+    losses.append(float(eval_fn(state['params'], global_batch)['nll']))
   return losses, state
 
 

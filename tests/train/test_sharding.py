@@ -5,7 +5,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
-from lowrank_attn.train import config as config_lib, sharding, train
+from lowrank_attn import sharding, train
+from lowrank_attn.train import config as config_lib
 
 
 def test_mesh_shape_fills_the_rest_and_rejects_bad_shapes():
@@ -33,7 +34,7 @@ def test_logical_rules_map_dedupe_and_replicate_uneven_dims():
   assert sharding.logical_to_spec(('vocab', 'embed'), rules, (65, 32), mesh) == P(None, 'fsdp')
   with pytest.raises(ValueError, match="logical axis 'heads' has no rule"):
     sharding.logical_to_spec(('heads',), (('embed', None),))
-  assert sharding.batch_divisor(mesh, rules) == 4
+  assert sharding.batch_spec(rules, 2) == P(('data', 'fsdp'), None)
 
 
 # Shard shapes of two parameters: mlp.wi.kernel [embed 32, mlp 64] and

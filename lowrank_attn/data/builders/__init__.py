@@ -6,4 +6,4 @@ from lowrank_attn.data.builders.multi30k import Multi30k, Multi30kCaptions
 from lowrank_attn.data.builders.shakespeare import Shakespeare
 from lowrank_attn.data.builders.ud_english_ewt import UdEnglishEwt, parse_conllu
 
-__all__ = ["Multi30k", "Multi30kCaptions", "Shakespeare", "UdEnglishEwt", "parse_conllu"]
+__all__ = ['Multi30k', 'Multi30kCaptions', 'Shakespeare', 'UdEnglishEwt', 'parse_conllu']

@@ -11,7 +11,7 @@ import tensorflow_datasets as tfds
 
 from lowrank_attn.data import raw_files
 
-VERSION = tfds.core.Version("1.0.0")
+VERSION = tfds.core.Version('1.0.0')
 
 
 class RawFileBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -35,10 +35,10 @@ class RawFileBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """`raw_data_dir`: a directory laid out like ../shared/data; None → $LOWRANK_ATTN_DATA →
     download from the public URLs. Other arguments go to `tfds.core.DatasetBuilder`."""
     self._raw_data_dir = raw_data_dir
-    kwargs.setdefault("file_format", "array_record")
+    kwargs.setdefault('file_format', 'array_record')
     super().__init__(**kwargs)
 
-  def _dataset_info(self, *, description: str, features, homepage: str, citation: str = ""):
+  def _dataset_info(self, *, description: str, features, homepage: str, citation: str = ''):
     return tfds.core.DatasetInfo(
         builder=self,
         description=description,
@@ -53,7 +53,7 @@ class RawFileBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   ) -> dict[str, list[pathlib.Path]]:
     """Verified paths per split; a split with a file missing from the local dir is skipped."""
     local_dir = raw_files.resolve_local_data_dir(self._raw_data_dir)
-    download_dir = pathlib.Path(dl_manager.download_dir) / "lowrank_attn"
+    download_dir = pathlib.Path(dl_manager.download_dir) / 'lowrank_attn'
     found = {}
     for split, files in split_files.items():
       paths = [raw_files.fetch(f, local_dir=local_dir, download_dir=download_dir) for f in files]
@@ -63,10 +63,10 @@ class RawFileBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         continue
       found[split] = paths
     if not found:
-      wanted = ", ".join(str(local_dir / f.relpath) for fs in split_files.values() for f in fs)
+      wanted = ', '.join(str(local_dir / f.relpath) for fs in split_files.values() for f in fs)
       raise FileNotFoundError(
-          f"{self.name}: none of its raw files is in the local data directory {local_dir} "
-          f"(looked for {wanted}). Point data.data_dir / ${raw_files.DATA_DIR_ENV} at a "
-          "directory laid out like ../shared/data, or unset both to download."
+          f'{self.name}: none of its raw files is in the local data directory {local_dir} '
+          f'(looked for {wanted}). Point data.data_dir / ${raw_files.DATA_DIR_ENV} at a '
+          'directory laid out like ../shared/data, or unset both to download.'
       )
     return found

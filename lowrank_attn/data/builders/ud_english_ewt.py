@@ -19,7 +19,7 @@ import tensorflow_datasets as tfds
 from lowrank_attn.data import raw_files
 from lowrank_attn.data.builders import base
 
-_SPLIT_FILES = {"train": "train", "validation": "dev", "test": "test"}
+_SPLIT_FILES = {'train': 'train', 'validation': 'dev', 'test': 'test'}
 _CITATION = """@inproceedings{silveira14gold,
   title = {A Gold Standard Dependency Corpus for {E}nglish},
   author = {Silveira, Natalia and Dozat, Timothy and de Marneffe, Marie-Catherine and Bowman,
@@ -41,19 +41,19 @@ class Sentence:
 
 def parse_conllu(path) -> Iterator[Sentence]:
   """Yields the sentences of a CoNLL-U file (basic dependencies only)."""
-  with open(path, encoding="utf-8") as f:
-    lines = f.read().split("\n")
+  with open(path, encoding='utf-8') as f:
+    lines = f.read().split('\n')
   comments: dict[str, str] = {}
   words: list[list[str]] = []
   for line_number, line in enumerate(lines, 1):
-    if line.startswith("#"):
-      key, sep, value = line[1:].partition("=")
+    if line.startswith('#'):
+      key, sep, value = line[1:].partition('=')
       if sep:
         comments[key.strip()] = value.strip()
     elif line.strip():
-      columns = line.split("\t")
+      columns = line.split('\t')
       if len(columns) != 10:
-        raise ValueError(f"{path}:{line_number}: expected 10 tab-separated columns, got {line!r}")
+        raise ValueError(f'{path}:{line_number}: expected 10 tab-separated columns, got {line!r}')
       if columns[0].isdigit():  # skip multiword tokens "3-4" and empty nodes "8.1"
         words.append(columns)
     elif words:
@@ -66,13 +66,13 @@ def parse_conllu(path) -> Iterator[Sentence]:
 def _make_sentence(path, line_number, comments, words) -> Sentence:
   ids = [int(w[0]) for w in words]
   if ids != list(range(1, len(words) + 1)):
-    raise ValueError(f"{path}: sentence ending at line {line_number} has word ids {ids}")
+    raise ValueError(f'{path}: sentence ending at line {line_number} has word ids {ids}')
   heads = [int(w[6]) for w in words]
   if any(not 0 <= h <= len(words) for h in heads):
-    raise ValueError(f"{path}: sentence ending at line {line_number} has heads {heads}")
+    raise ValueError(f'{path}: sentence ending at line {line_number} has heads {heads}')
   return Sentence(
-      sent_id=comments.get("sent_id", ""),
-      text=comments.get("text", " ".join(w[1] for w in words)),
+      sent_id=comments.get('sent_id', ''),
+      text=comments.get('text', ' '.join(w[1] for w in words)),
       tokens=[w[1] for w in words],
       lemmas=[w[2] for w in words],
       upos=[w[3] for w in words],
@@ -85,26 +85,28 @@ def _make_sentence(path, line_number, comments, words) -> Sentence:
 class UdEnglishEwt(base.RawFileBuilder):
   """UD English-EWT with gold basic dependencies, one example per sentence."""
 
-  name = "ud_english_ewt"
+  name = 'ud_english_ewt'
 
   def _info(self):
     strings = tfds.features.Tensor(shape=(None,), dtype=np.str_)
     return self._dataset_info(
         description=(
-            "Universal Dependencies English Web Treebank: sentences with gold tokens, lemmas, "
-            "POS tags, heads (1-based, 0 = root) and dependency relations."
+            'Universal Dependencies English Web Treebank: sentences with gold tokens, lemmas, '
+            'POS tags, heads (1-based, 0 = root) and dependency relations.'
         ),
-        features=tfds.features.FeaturesDict({
-            "sent_id": tfds.features.Text(),
-            "text": tfds.features.Text(),
-            "tokens": strings,
-            "lemmas": strings,
-            "upos": strings,
-            "xpos": strings,
-            "heads": tfds.features.Tensor(shape=(None,), dtype=np.int32),
-            "deprels": strings,
-        }),
-        homepage="https://github.com/UniversalDependencies/UD_English-EWT",
+        features=tfds.features.FeaturesDict(
+            {
+                'sent_id': tfds.features.Text(),
+                'text': tfds.features.Text(),
+                'tokens': strings,
+                'lemmas': strings,
+                'upos': strings,
+                'xpos': strings,
+                'heads': tfds.features.Tensor(shape=(None,), dtype=np.int32),
+                'deprels': strings,
+            }
+        ),
+        homepage='https://github.com/UniversalDependencies/UD_English-EWT',
         citation=_CITATION,
     )
 

@@ -1,0 +1,235 @@
+"""From a config to compiled steps: mesh, abstract model, sharded train state, warm start.
+
+    s = setup(config, vocab_size=..., bos_id=...)   # nothing allocated yet
+    state = create_state(s)                          # created in its shards (or warm-started)
+    train, evaluate = compile_steps(s, train_spec, eval_spec)
+
+Used by `train_and_evaluate`, the benchmarks and the TPU compile check, so that all of them
+run the same code path.
+"""
+
+from collections.abc import Mapping
+import dataclasses
+import functools
+import re
+from typing import Any
+
+from absl import logging
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import ml_collections
+import numpy as np
+import optax
+
+from lowrank_attn import models, sharding
+from lowrank_attn.train import checkpoints, config as config_lib, optim, steps, tasks
+
+PyTree = Any
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything derived from the config before the first step."""
+
+  config: ml_collections.ConfigDict
+  task: tasks.Task
+  mesh: jax.sharding.Mesh
+  rules: sharding.Rules
+  model_cfg: models.TransformerConfig
+  graphdef: nnx.GraphDef
+  abstract_state: PyTree  # ShapeDtypeStructs with shardings
+  state_shardings: PyTree
+  init_state: Any  # () -> state, jitted with out_shardings by create_state
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  options: steps.StepOptions
+  abstract_model: nnx.Module  # for analytic FLOPs; holds no arrays
+
+  def activate(self):
+    """Context: this setup's mesh and logical rules (jitted steps and constraints read them)."""
+    return sharding.use(self.mesh, self.rules)
+
+  def global_batch(self, local_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This process's rows of a batch as global arrays sharded by the 'batch' rule."""
+    count = jax.process_count()
+    shardings = sharding.batch_shardings(element_shapes(local_batch, count), self.mesh,
+                                         self.rules)
+    return sharding.global_batch(local_batch, shardings, count)
+
+  def flops(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """Forward matmul FLOPs of a batch of these shapes."""
+    return self.task.flops(self.abstract_model, batch_shapes)
+
+
+def parameter_path(path) -> str:
+  """'encoder/layers/0/self_attention/query_kernel' for a key path of a params dict."""
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
+
+
+def trainable_labels(params: PyTree, pattern: str | None) -> PyTree:
+  """'train' / 'frozen' per parameter: frozen unless its path matches `pattern` (re.search)."""
+  if pattern is None:
+    return jax.tree.map(lambda _: 'train', params)
+  regex = re.compile(pattern)
+  labels = jax.tree_util.tree_map_with_path(
+      lambda path, _: 'train' if regex.search(parameter_path(path)) else 'frozen', params)
+  if 'train' not in jax.tree.leaves(labels):
+    raise ValueError(f'config.trainable={pattern!r} matches no parameter; paths look like '
+                     f'{parameter_path(jax.tree_util.tree_flatten_with_path(params)[0][0][0])!r}.')
+  return labels
+
+
+def setup(config: ml_collections.ConfigDict, *, vocab_size: int, bos_id: int,
+          devices=None) -> Setup:
+  """Mesh, abstract model and state, shardings, optimizer and step options for a config."""
+  task = tasks.get(config.task)
+  mesh = sharding.make_mesh(config.mesh, devices)
+  rules = sharding.validate_rules(config.logical_axis_rules)
+  model_cfg = config_lib.model_config(config, vocab_size)
+  init_key = jax.random.key(config.seed)
+  create_model = lambda: task.create_model(model_cfg, bos_id, nnx.Rngs(params=init_key))
+  abstract_model = nnx.eval_shape(create_model)
+  graphdef, abstract_vars, *rest = nnx.split(abstract_model, nnx.Param, ...)
+  if any(jax.tree.leaves(r) for r in rest):
+    raise ValueError(f'the model holds non-parameter state {rest}; training expects a model '
+                     'whose only state is nnx.Param (create layers with keep_rngs=False).')
+  param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract_vars, mesh, rules))
+
+  schedule = optim.learning_rate_schedule(
+      learning_rate=config.learning_rate, warmup_steps=config.warmup_steps,
+      num_train_steps=config.num_train_steps, decay=config.lr_schedule,
+      end_factor=config.end_learning_rate_factor)
+  tx = optim.make_optimizer(schedule, b1=config.adam_b1, b2=config.adam_b2,
+                            eps=config.adam_eps, weight_decay=config.weight_decay,
+                            grad_clip_norm=config.grad_clip_norm)
+  abstract_params = nnx.to_pure_dict(abstract_vars)
+  if config.trainable is not None:
+    # Frozen parameters get zero updates: bitwise unchanged, and no optimizer state.
+    tx = optax.multi_transform({'train': tx, 'frozen': optax.set_to_zero()},
+                               trainable_labels(abstract_params, config.trainable))
+
+  def init_state():
+    params = nnx.to_pure_dict(nnx.state(create_model(), nnx.Param))
+    return {'step': jnp.zeros((), jnp.int32), 'params': params, 'opt_state': tx.init(params)}
+
+  abstract = jax.eval_shape(init_state)
+  replicated = NamedSharding(mesh, P())
+  state_shardings = {
+      'step': replicated,
+      'params': param_shardings,
+      # Adam moments are shaped like the parameters and share their shardings.
+      'opt_state': optax.tree_map_params(
+          tx, lambda leaf, s: leaf if isinstance(leaf, optax.MaskedNode) else s,
+          abstract['opt_state'], param_shardings, transform_non_params=lambda _: replicated,
+          is_leaf=lambda x: isinstance(x, optax.MaskedNode)),  # frozen: no state
+  }
+  abstract_state = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings)
+  options = steps.StepOptions(task=config.task, graphdef=graphdef,
+                              grad_accum_steps=config.grad_accum_steps,
+                              label_smoothing=config.label_smoothing,
+                              l0_penalty_weight=config.l0_penalty_weight)
+  return Setup(config, task, mesh, rules, model_cfg, graphdef, abstract_state, state_shardings,
+               init_state, tx, schedule, options, abstract_model)
+
+
+def create_state(s: Setup) -> PyTree:
+  """The initial train state, each array created directly in its shards (jitted init), with
+  parameters from `config.init_from` where it names a run."""
+  with s.activate():
+    state = sharding.create_sharded(s.init_state, s.state_shardings)
+  if s.config.init_from:
+    state['params'] = warm_start(state['params'], s.state_shardings['params'],
+                                 s.config.init_from)
+  return state
+
+
+def parse_init_from(init_from: str) -> tuple[str, int | None]:
+  """'DIR' -> (DIR, None); 'DIR:STEP' -> (DIR, STEP). DIR may hold colons (gs://...)."""
+  directory, _, step = init_from.rpartition(':')
+  if directory and step.isdigit():
+    return directory, int(step)
+  return init_from, None
+
+
+def warm_start(params: PyTree, shardings: PyTree, init_from: str) -> PyTree:
+  """`params` with every parameter that `init_from`'s checkpoint holds replaced by its value.
+
+  Matched by parameter path. Parameters the source lacks (e.g. head gates added to a trained
+  model) keep their initialisation; a shape mismatch is a ValueError naming the parameter.
+  """
+  directory, step = parse_init_from(init_from)
+  try:
+    source_step, source = checkpoints.load_state(directory, step)
+  except FileNotFoundError as e:
+    raise ValueError(f'config.init_from={init_from!r}: {e}') from None
+  source = {parameter_path(p): v
+            for p, v in jax.tree_util.tree_flatten_with_path(source['params'])[0]}
+  used, kept, mismatched = set(), [], []
+
+  def take(path, value, target_sharding):
+    name = parameter_path(path)
+    if name not in source:
+      kept.append(name)
+      return value
+    loaded = source[name]
+    if loaded.shape != value.shape:
+      mismatched.append(f'{name} has shape {loaded.shape} in the source run and {value.shape} '
+                        'in this model')
+      return value
+    used.add(name)
+    return jax.device_put(np.asarray(loaded, value.dtype), target_sharding)
+
+  params = jax.tree_util.tree_map_with_path(take, params, shardings)
+  if mismatched:
+    raise ValueError(f'config.init_from={init_from!r}: parameters do not fit: '
+                     + '; '.join(mismatched) + '.')
+  unused = sorted(set(source) - used)
+  logging.info('warm start from %s step %d: %d parameters loaded, %d kept their '
+               'initialisation (%s), %d of the source unused (%s)', directory, source_step,
+               len(used), len(kept), kept[:5], len(unused), unused[:5])
+  if not used:
+    raise ValueError(f'config.init_from={init_from!r}: no parameter path matches this model.')
+  return params
+
+
+def element_shapes(element_spec: Mapping[str, Any], process_count: int = 1):
+  """Global batch shapes from a pipeline's (per-process) element_spec."""
+  return {k: (v.shape[0] * process_count,) + tuple(v.shape[1:]) for k, v in element_spec.items()}
+
+
+def _abstract_batch(shapes, dtypes, shardings):
+  return {k: jax.ShapeDtypeStruct(shapes[k], dtypes[k], sharding=shardings[k]) for k in shapes}
+
+
+def compile_steps(s: Setup, train_spec: Mapping[str, Any], eval_spec: Mapping[str, Any] | None
+                  = None, process_count: int = 1):
+  """(train_step, eval_step) compiled ahead of the loop for the pipelines' batch specs.
+
+  `*_spec`: name -> (shape, dtype) of a process's batches (a pipeline's `element_spec`).
+  The state is donated; shardings are explicit on every argument and result.
+  """
+  replicated = NamedSharding(s.mesh, P())
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+
+  def batch(spec):
+    shapes = element_shapes(spec, process_count)
+    shardings = sharding.batch_shardings(shapes, s.mesh, s.rules)
+    return _abstract_batch(shapes, {k: v.dtype for k, v in spec.items()}, shardings), shardings
+
+  train_batch, train_shardings = batch(train_spec)
+  train = jax.jit(
+      functools.partial(steps.train_step, options=s.options, tx=s.tx, schedule=s.schedule),
+      in_shardings=(s.state_shardings, train_shardings, replicated),
+      out_shardings=(s.state_shardings, replicated), donate_argnums=(0,))
+  eval_batch, eval_shardings = batch(eval_spec if eval_spec is not None else train_spec)
+  evaluate = jax.jit(
+      functools.partial(steps.eval_step, options=s.options),
+      in_shardings=(s.state_shardings['params'], eval_shardings), out_shardings=replicated)
+  with s.activate():
+    train = train.lower(s.abstract_state, train_batch, key).compile()
+    evaluate = evaluate.lower(s.abstract_state['params'], eval_batch).compile()
+  return train, evaluate

@@ -1,0 +1,145 @@
+"""tpu/launch.py --dry_run prints the gcloud commands of a multi-host launch; tpu/chips.py."""
+
+import importlib.util
+import pathlib
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+TPU_DIR = pathlib.Path(__file__).resolve().parents[2] / 'tpu'
+
+
+def load(name):
+  """The scripts in tpu/ are not a package: import them by path."""
+  sys.path.insert(0, str(TPU_DIR))
+  try:
+    spec = importlib.util.spec_from_file_location(f'tpu_{name}', TPU_DIR / f'{name}.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+  finally:
+    sys.path.remove(str(TPU_DIR))
+
+
+launch, chips = load('launch'), load('chips')
+
+
+def dry_run(capsys, *argv):
+  """The commands `launch.py ... --dry_run` prints, each split into its arguments."""
+  split = argv.index('--') if '--' in argv else len(argv)
+  launch.main([*argv[:split], '--dry_run', *argv[split:]])
+  lines = capsys.readouterr().out.splitlines()
+  return [shlex.split(line[2:]) for line in lines if line.startswith('$ ')], lines
+
+
+def flag(argv, name):
+  values = [a.split('=', 1)[1] for a in argv if a.startswith(f'--{name}=')]
+  assert len(values) == 1, (name, argv)
+  return values[0]
+
+
+def assert_valid_shell(command):
+  subprocess.run(['bash', '-n', '-c', command], check=True)
+
+
+@pytest.mark.parametrize('accelerator_type, expected_type, version', [
+    ('v5e-16', 'v5litepod-16', 'v2-alpha-tpuv5-lite'),
+    ('v4-32', 'v4-32', 'tpu-ubuntu2204-base'),
+])
+def test_up_on_a_4_worker_slice(capsys, accelerator_type, expected_type, version):
+  commands, lines = dry_run(
+      capsys, 'up', '--name=run1', '--zone=us-west4-a', f'--type={accelerator_type}', '--spot',
+      '--workdir=gs://bucket/runs/run1', '--', '--config=configs/nmt.py',
+      '--config.num_train_steps=1000')
+  assert lines[0].startswith(f'# {expected_type}: 16 ') and lines[0].endswith('on 4 worker(s)')
+  create, archive, scp, install, start = commands
+  assert create[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'create', 'run1']
+  assert flag(create, 'accelerator-type') == expected_type
+  assert flag(create, 'version') == version
+  assert flag(create, 'zone') == 'us-west4-a'
+  assert '--spot' in create and '--preemptible' not in create
+
+  assert archive[:3] == ['tar', '-czf', launch.ARCHIVE] and '--exclude=.venv' in archive
+  assert scp[:5] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp'] and launch.ARCHIVE in scp
+  for command in (scp, install, start):  # every worker gets the code, the install and the run
+    assert flag(command, 'worker') == 'all'
+    assert flag(command, 'zone') == 'us-west4-a'
+  for command in (install, start):
+    assert command[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'run1']
+    assert_valid_shell(flag(command, 'command'))
+  assert ".venv/bin/pip install -q -e '.[tpu]'" in flag(install, 'command')
+
+  remote = flag(start, 'command')
+  train = shlex.split(remote.split('setsid nohup ')[1].split(' >>')[0])
+  assert train[:3] == ['.venv/bin/python', '-m', 'lowrank_attn.main']
+  assert train[3:] == ['--workdir=gs://bucket/runs/run1', '--config.jax_distributed=True',
+                       '--config=configs/nmt.py', '--config.num_train_steps=1000']
+  assert remote.rstrip().endswith('< /dev/null &')  # detached: ssh returns, the run goes on
+
+
+def test_queued_resource_and_relaunch_after_preemption(capsys):
+  commands, lines = dry_run(
+      capsys, 'watch', '--name=run2', '--zone=us-central2-b', '--type=v4-32', '--queued',
+      '--spot', '--workdir=gs://bucket/runs/run2', '--', '--config=configs/lm.py')
+  verbs = [' '.join(c[3:5]) for c in commands if c[0] == 'gcloud']
+  assert verbs == ['queued-resources describe', 'queued-resources delete',
+                   'queued-resources create', 'queued-resources describe', 'tpu-vm scp',
+                   'tpu-vm ssh', 'tpu-vm ssh']
+  assert any('relaunch 1' in line for line in lines)
+  delete = commands[1]
+  assert '--force' in delete and '--quiet' in delete  # the request and its TPU VM
+  create = commands[2]
+  assert flag(create, 'node-id') == 'run2' and '--spot' in create
+  assert flag(create, 'runtime-version') == 'tpu-ubuntu2204-base'
+  # The same command and workdir: the relaunched run resumes from its last checkpoint.
+  assert '--workdir=gs://bucket/runs/run2' in flag(commands[-1], 'command')
+
+
+def test_logs_delete_and_clone(capsys):
+  (logs,), _ = dry_run(capsys, 'logs', '--name=r', '--zone=z', '--worker=2', '--lines=20')
+  assert flag(logs, 'worker') == '2'
+  assert flag(logs, 'command') == f'tail -n 20 -f {launch.REMOTE_LOG}'
+  (delete,), _ = dry_run(capsys, 'delete', '--name=r', '--zone=z', '--project=p')
+  assert delete[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', 'r']
+  assert flag(delete, 'project') == 'p'
+  (install,), _ = dry_run(capsys, 'setup', '--name=r', '--zone=z',
+                          '--repo=https://github.com/org/lowrank_attn.git', '--ref=v1')
+  assert 'git clone --quiet https://github.com/org/lowrank_attn.git' in flag(install, 'command')
+  assert_valid_shell(flag(install, 'command'))
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['run', '--workdir=/tmp/run', '--', '--config=configs/lm.py'], 'must be a gs:// path'),
+    (['run', '--workdir=gs://b/r'], 'after `--`'),
+    (['run'], 'needs --workdir'),
+    (['create'], 'needs --type'),
+    (['create', '--type=v4-31'], 'TensorCores, 2 per chip'),
+    (['create', '--type=v4-12'], 'multiple of 4 chips'),  # 6 chips
+    (['create', '--type=v5e-12'], 'slices have 1, 4, 8, 16'),
+    (['create', '--type=v9-8'], 'is not one of'),
+    (['create', '--type=v5e-16', '--queued', '--preemptible'], 'use --spot'),
+])
+def test_bad_settings_fail_with_a_message(capsys, argv, message):
+  with pytest.raises(SystemExit) as raised:
+    launch.main([argv[0], '--name=r', '--zone=z', *argv[1:], '--dry_run'])
+  assert message in str(raised.value) + capsys.readouterr().err
+
+
+@pytest.mark.parametrize('accelerator_type, chip, num_chips, num_hosts', [
+    ('v4-8', 'v4', 4, 1), ('v4-32', 'v4', 16, 4), ('v5litepod-16', 'v5e', 16, 4),
+    ('v5e-8', 'v5e', 8, 1), ('v5p-32', 'v5p', 16, 4), ('v6e-8', 'v6e', 8, 1),
+    ('v6e-16', 'v6e', 16, 4)])
+def test_accelerator_types(accelerator_type, chip, num_chips, num_hosts):
+  slice_ = chips.parse_accelerator_type(accelerator_type)
+  assert (slice_.chip.name, slice_.num_chips, slice_.num_hosts) == (chip, num_chips, num_hosts)
+
+
+def test_chip_table():
+  assert chips.chip_of('TPU v5 lite').peak_bf16_flops == 197e12
+  assert chips.chip_of('TPU v4').hbm_bytes == 32 * 2**30
+  assert chips.chip_of('cpu') is None
+  for chip in chips.CHIPS.values():
+    assert chip.source.startswith('https://cloud.google.com/tpu/docs/')
+    assert 100e12 < chip.peak_bf16_flops < 1e15 and 16 * 2**30 <= chip.hbm_bytes

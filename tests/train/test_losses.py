@@ -1,0 +1,95 @@
+"""The loss and the training step's randomness: hand-computed cross entropy, dropout keys."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowrank_attn import train
+from lowrank_attn.train import cross_entropy
+
+# Two tokens, vocabulary 3. Logits log(1, 2, 5) and log(6, 1, 1): probabilities (1, 2, 5) / 8
+# and (6, 1, 1) / 8. Token 0's target 1 is not the argmax (2); token 1's target 0 is.
+LOGITS = np.log(np.array([[[1.0, 2.0, 5.0], [6.0, 1.0, 1.0]]], np.float32))
+TARGETS = np.array([[1, 0]], np.int32)
+WEIGHTS = np.array([[0.5, 2.0]], np.float32)
+
+
+def test_cross_entropy_by_hand():
+  sums = cross_entropy(LOGITS, TARGETS, WEIGHTS)
+  # -log p(target): log(8/2) and log(8/6), weighted 0.5 and 2.
+  nll = 0.5 * math.log(4) + 2.0 * math.log(4 / 3)  # = 1.2685113
+  np.testing.assert_allclose(sums['nll'], nll, rtol=1e-6)
+  np.testing.assert_allclose(sums['objective'], nll, rtol=1e-6)  # no smoothing
+  # Only token 1 is right: correct = its weight, 2 (not 1, the unweighted count).
+  np.testing.assert_allclose(sums['correct'], 2.0, rtol=1e-6)
+  np.testing.assert_allclose(sums['weight'], 2.5, rtol=1e-6)
+  np.testing.assert_allclose(sums['correct'] / sums['weight'], 0.8, rtol=1e-6)
+
+
+def test_label_smoothing_by_hand():
+  """Szegedy et al. (2016): (1 - e) (-log p_target) + e mean_v(-log p_v), here e = 0.1."""
+  sums = cross_entropy(LOGITS, TARGETS, WEIGHTS, label_smoothing=0.1)
+  token0 = 0.9 * math.log(4) + 0.1 * (math.log(8) + math.log(4) + math.log(8 / 5)) / 3
+  token1 = 0.9 * math.log(4 / 3) + 0.1 * (math.log(8 / 6) + math.log(8) + math.log(8)) / 3
+  objective = 0.5 * token0 + 2.0 * token1  # = 1.3825139
+  np.testing.assert_allclose(sums['objective'], objective, rtol=1e-6)
+  # The reported nll stays the plain one (perplexity is never smoothed).
+  np.testing.assert_allclose(sums['nll'], 0.5 * math.log(4) + 2.0 * math.log(4 / 3), rtol=1e-6)
+  np.testing.assert_allclose(sums['correct'], 2.0, rtol=1e-6)
+
+
+def test_zero_weight_tokens_count_for_nothing():
+  weights = np.array([[0.0, 1.0]], np.float32)
+  sums = cross_entropy(LOGITS, TARGETS, weights, label_smoothing=0.1)
+  alone = cross_entropy(LOGITS[:, 1:], TARGETS[:, 1:], weights[:, 1:], label_smoothing=0.1)
+  for name in ('nll', 'objective', 'correct', 'weight'):
+    np.testing.assert_allclose(sums[name], alone[name], rtol=1e-6)
+
+
+# ------------------------------------------------------------------ the dropout key of a step
+
+
+@pytest.fixture(scope='module')
+def step_losses(helpers):
+  """`losses(dropout, step, key)`: loss and gradient norm of one train step of a tiny LM.
+
+  The state comes from the library's own setup; only its `step` entry is changed between calls.
+  """
+  cache = {}
+
+  def losses(dropout_rate, step, seed=0):
+    if dropout_rate not in cache:
+      config = helpers.override(helpers.load_config('lm', 'tiny'), {
+          **helpers.small_model, 'model.dropout_rate': dropout_rate})
+      config.mesh.data = 1
+      s = train.setup(config, vocab_size=64, bos_id=1, devices=jax.devices()[:1])
+      state = train.create_state(s)
+      fn = jax.jit(functools.partial(train.train_step, options=s.options, tx=s.tx,
+                                     schedule=s.schedule))
+      cache[dropout_rate] = (state, fn)
+    state, fn = cache[dropout_rate]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 64, (4, 17)).astype(np.int32)
+    batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+             'weights': np.ones((4, 16), np.float32),
+             'segment_ids': np.ones((4, 16), np.int32),
+             'positions': np.broadcast_to(np.arange(16, dtype=np.int32), (4, 16))}
+    at_step = {**state, 'step': jnp.asarray(step, state['step'].dtype)}
+    _, metrics = fn(at_step, batch, jax.random.key(seed))
+    return float(metrics['loss']), float(metrics['grad_norm'])
+
+  return losses
+
+
+def test_each_step_draws_a_new_dropout_mask(step_losses):
+  """Same parameters, batch and key, steps 0 and 1: the key is folded with the step."""
+  assert step_losses(0.3, step=0) != step_losses(0.3, step=1)
+  assert step_losses(0.3, step=0) != step_losses(0.3, step=0, seed=1)
+
+
+def test_without_dropout_the_step_number_changes_nothing(step_losses):
+  assert step_losses(0.0, step=0) == step_losses(0.0, step=1)

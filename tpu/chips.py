@@ -1,0 +1,97 @@
+"""Cloud TPU chips: memory, peak bf16 FLOP/s, and how gcloud names their slices.
+
+    chip = chips.chip_of(jax.devices()[0].device_kind)   # 'TPU v5 lite' -> CHIPS['v5e']
+    slice_ = chips.parse_accelerator_type('v5litepod-16')  # 16 chips on 4 hosts
+
+Peak and memory per chip are Google's published figures (the `source` of each entry, the
+"Peak compute per chip (bf16)" and HBM rows of the Cloud TPU system-architecture pages, read
+2025). HBM is stored in GiB: the pages write "GB", and a chip's HBM is a power of two GiB,
+except v5p's 95. These peaks are what MFU divides by on TPU (`lowrank_attn.train.metrics`).
+"""
+
+import dataclasses
+import re
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  name: str  # our short name: 'v4', 'v5e', 'v5p', 'v6e'
+  hbm_bytes: int  # per chip
+  peak_bf16_flops: float  # per chip, dense matrix units
+  cores_per_chip: int  # TensorCores; v4/v5p accelerator types count cores, v5e/v6e chips
+  chips_per_host: int  # in a multi-host slice (one TPU VM per host)
+  max_single_host_chips: int  # the largest slice on one VM
+  accelerator_prefix: str  # gcloud --accelerator-type is '<prefix>-<count>'
+  runtime_version: str  # gcloud --version / --runtime-version for JAX on this chip
+  device_kinds: tuple[str, ...]  # jax Device.device_kind strings
+  source: str
+  chip_counts: tuple[int, ...] | None = None  # the slice sizes there are, if a short list
+
+
+CHIPS = {
+    'v4': Chip(
+        'v4', 32 * GIB, 275e12, cores_per_chip=2, chips_per_host=4, max_single_host_chips=4,
+        accelerator_prefix='v4', runtime_version='tpu-ubuntu2204-base',
+        device_kinds=('TPU v4',), source='https://cloud.google.com/tpu/docs/v4'),
+    'v5e': Chip(
+        'v5e', 16 * GIB, 197e12, cores_per_chip=1, chips_per_host=4, max_single_host_chips=8,
+        accelerator_prefix='v5litepod', runtime_version='v2-alpha-tpuv5-lite',
+        device_kinds=('TPU v5 lite', 'TPU v5e'), source='https://cloud.google.com/tpu/docs/v5e',
+        chip_counts=(1, 4, 8, 16, 32, 64, 128, 256)),
+    'v5p': Chip(
+        'v5p', 95 * GIB, 459e12, cores_per_chip=2, chips_per_host=4, max_single_host_chips=4,
+        accelerator_prefix='v5p', runtime_version='v2-alpha-tpuv5',
+        device_kinds=('TPU v5', 'TPU v5p'), source='https://cloud.google.com/tpu/docs/v5p'),
+    'v6e': Chip(
+        'v6e', 32 * GIB, 918e12, cores_per_chip=1, chips_per_host=4, max_single_host_chips=8,
+        accelerator_prefix='v6e', runtime_version='v2-alpha-tpuv6e',
+        device_kinds=('TPU v6 lite', 'TPU v6e'), source='https://cloud.google.com/tpu/docs/v6e',
+        chip_counts=(1, 4, 8, 16, 32, 64, 128, 256)),
+}
+# What people write for the v5e prefix.
+_PREFIX_ALIASES = {'v5e': 'v5litepod', 'v5lite': 'v5litepod', 'v6litepod': 'v6e'}
+
+
+def chip_of(device_kind: str) -> Chip | None:
+  """The chip of a jax `Device.device_kind` ('TPU v4', 'TPU v5 lite', ...), or None."""
+  for chip in CHIPS.values():
+    if device_kind in chip.device_kinds:
+      return chip
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  accelerator_type: str  # as gcloud spells it, e.g. 'v5litepod-16'
+  chip: Chip
+  num_chips: int
+  num_hosts: int  # TPU VM workers: what `--worker=all` reaches
+
+
+def parse_accelerator_type(accelerator_type: str) -> Slice:
+  """'v4-32' -> 16 v4 chips on 4 hosts; 'v5e-16' or 'v5litepod-16' -> 16 chips on 4 hosts."""
+  match = re.fullmatch(r'(v\d+[a-z]*)-(\d+)', accelerator_type.strip())
+  prefixes = {chip.accelerator_prefix: chip for chip in CHIPS.values()}
+  prefix = match and _PREFIX_ALIASES.get(match.group(1), match.group(1))
+  if not match or prefix not in prefixes:
+    valid = ', '.join(f'{p}-N' for p in prefixes)
+    raise ValueError(f'accelerator type {accelerator_type!r} is not one of {valid} '
+                     "(e.g. 'v4-8', 'v5litepod-16', 'v5p-32', 'v6e-8').")
+  chip, count = prefixes[prefix], int(match.group(2))
+  if count % chip.cores_per_chip:
+    raise ValueError(f'{accelerator_type!r}: {chip.name} types count TensorCores, '
+                     f'{chip.cores_per_chip} per chip; use a multiple of {chip.cores_per_chip}.')
+  num_chips = count // chip.cores_per_chip
+  if chip.chip_counts and num_chips not in chip.chip_counts:
+    raise ValueError(f'{accelerator_type!r}: {chip.name} slices have '
+                     f"{', '.join(map(str, chip.chip_counts))} chips.")
+  if num_chips <= chip.max_single_host_chips:
+    num_hosts = 1
+  elif num_chips % chip.chips_per_host:
+    raise ValueError(f'{accelerator_type!r}: a multi-host {chip.name} slice has a multiple of '
+                     f'{chip.chips_per_host} chips.')
+  else:
+    num_hosts = num_chips // chip.chips_per_host
+  return Slice(f'{prefix}-{count}', chip, num_chips, num_hosts)
