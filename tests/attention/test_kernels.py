@@ -264,18 +264,26 @@ def test_dropout_zeroes_weights_and_is_unbiased(make_params):
   z = (outs.mean(0) - run(params, x, spec)) / (outs.std(0) / np.sqrt(len(outs)))
   assert np.abs(z).max() < 5
   assert not np.allclose(outs[0], outs[1])
-  np.testing.assert_array_equal(call(jax.random.key(1)).out, call(jax.random.key(1)).out)
+  # deterministic=True switches dropout off even when a rate and a key are given.
+  evaluation = A.multi_head_attention(params, x, spec=spec, rng=jax.random.key(1),
+                                      dropout_rate=0.5, deterministic=True).out
+  np.testing.assert_array_equal(evaluation, run(params, x, spec))
 
 
-def test_training_mode_gates_are_sampled_and_eval_gates_are_fixed(make_params):
+def test_training_mode_gates_are_sampled_and_eval_gates_are_fixed(make_params, numpy_reference):
   spec = spec_of(gated=True)
   params = {**make_params(spec), 'gate_log_alpha': jnp.zeros(4)}
   x = inputs()
   train = lambda seed: A.multi_head_attention(params, x, spec=spec, rng=jax.random.key(seed),
                                               deterministic=False).out
   assert not np.allclose(train(0), train(1))
-  evaluate = lambda: run(params, x, spec)
-  np.testing.assert_array_equal(evaluate(), evaluate())
+  # Evaluation: every head scaled by its eq.-13 gate, sigmoid(0) * 1.2 - 0.1 = 0.5.
+  gate = numpy_reference.hard_concrete_eval(0.0)
+  assert gate == pytest.approx(0.5)
+  ungated = dataclasses.replace(spec, gated=False)
+  open_params = {k: v for k, v in params.items() if k != 'gate_log_alpha'}
+  np.testing.assert_allclose(run(params, x, spec),
+                             run(open_params, x, ungated, head_mask=jnp.full(4, gate)), atol=1e-6)
 
 
 # ------------------------------------------------------------------ transforms and dtypes

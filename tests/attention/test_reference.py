@@ -46,6 +46,7 @@ CASES = {
 
 
 def is_cross(settings):
+  """Attention over another sequence (7 keys for 5 queries); talking heads always."""
   return 'in_kv_features' in settings or settings['kind'] == 'talking_heads'
 
 
@@ -59,12 +60,12 @@ def make_case(name, make_params, seed=0):
   if 'gate_log_alpha' in params:
     # |log alpha| < log(11): every evaluation gate strictly between 0 and 1.
     params['gate_log_alpha'] = rng.uniform(-2.0, 2.0, h).astype(np.float32)
-  for name_ in ('pre_softmax_mixing', 'post_softmax_mixing'):
-    if name_ in params:  # far from the identity, where talking heads equals concat
-      params[name_] = rng.standard_normal((h, h)).astype(np.float32)
-  for name_ in ('query_ln_scale', 'key_ln_scale'):
-    if name_ in params:
-      params[name_] = rng.uniform(0.5, 1.5, params[name_].shape).astype(np.float32)
+  for param in ('pre_softmax_mixing', 'post_softmax_mixing'):
+    if param in params:  # far from the identity, where talking heads equals concat
+      params[param] = rng.standard_normal((h, h)).astype(np.float32)
+  for param in ('query_ln_scale', 'key_ln_scale'):
+    if param in params:
+      params[param] = rng.uniform(0.5, 1.5, params[param].shape).astype(np.float32)
   x = rng.standard_normal((BATCH, Q_LEN, settings['in_features'])).astype(np.float32)
   y = None
   kv_len = Q_LEN

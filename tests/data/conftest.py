@@ -8,11 +8,14 @@ import pytest
 from lowrank_attn import data
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope='session')
 def shared_data_dir() -> pathlib.Path:
-  path = pathlib.Path(os.environ.get(data.DATA_DIR_ENV, ""))
-  if not (path / "multi30k").is_dir():
-    pytest.skip(f"${data.DATA_DIR_ENV}={str(path)!r} does not hold the shared data sets")
+  """The shared data directory; a wrong one is an error, never a reason to skip."""
+  path = pathlib.Path(os.environ.get(data.DATA_DIR_ENV, ''))
+  if not (path / 'multi30k').is_dir():
+    pytest.fail(f'${data.DATA_DIR_ENV}={str(path)!r} does not hold the shared data sets '
+                '(multi30k/, ud_english_ewt/, tinyshakespeare/): point it at them.',
+                pytrace=False)
   return path
 
 

@@ -1,0 +1,46 @@
+"""Honest MFU: the peak says where it came from; every MFU is printed with achieved GFLOP/s."""
+
+import pickle
+import types
+
+import jax
+import pytest
+
+from lowrank_attn.train import metrics
+
+
+def test_tpu_peak_is_the_published_chip_figure():
+  v5e = types.SimpleNamespace(platform='tpu', device_kind='TPU v5 lite')
+  peak = metrics.peak_flops_per_device(device=v5e)
+  assert float(peak) == 197e12
+  assert 'published bf16 peak of v5e' in peak.source and 'cloud.google.com' in peak.source
+  assert peak.spread is None
+
+
+def test_measured_peak_is_the_best_sample_with_its_spread(monkeypatch):
+  durations = iter([0.0, 1.0, 1.0, 1.5, 1.5, 3.5])  # samples of 1 s, 0.5 s, 2 s
+  monkeypatch.setattr(metrics.time, 'perf_counter', lambda: next(durations))
+  peak = metrics.measure_peak_flops_per_device(size=256, repeats=3)
+  flop = 2 * 256**3
+  assert float(peak) == flop / 0.5
+  assert peak.spread == (flop / 2.0, flop / 0.5)
+  assert peak.source.startswith(f'measured: best of 3 256^3 float32 matmuls on '
+                                f'{jax.local_device_count()} cpu device(s)')
+  # Still a float where the training loop multiplies it by the device count.
+  assert type(peak * 8) is float and peak * 8 == 8 * flop / 0.5
+  assert pickle.loads(pickle.dumps(peak)).source == peak.source
+
+
+def test_progress_line_shows_achieved_gflops_beside_mfu(capsys, monkeypatch):
+  progress = metrics.Progress(num_train_steps=10, tokens_per_step=100, flops_per_step=3e9,
+                              peak_flops=metrics.PeakFlops(2e10, 'given'), every_secs=1.0)
+  clock = iter([0.0, 2.0])  # 4 steps in 2 s
+  monkeypatch.setattr(metrics.time, 'perf_counter', lambda: next(clock))
+  progress.resume()
+  progress.count(4)
+  progress.pause()
+  rates = progress.rates()
+  assert rates['flops_per_sec'] == pytest.approx(6e9)
+  assert rates['mfu'] == pytest.approx(0.3)
+  progress.show(4, 1.5, rates)
+  assert '6 GFLOP/s = MFU 30.0%' in capsys.readouterr().out
