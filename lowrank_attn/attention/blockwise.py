@@ -86,8 +86,8 @@ def target_platform(platform: str):
 
 def check_implementation(implementation: str, spec: AttentionSpec, *, block_size: int = 1,
                          return_weights: bool = False, return_logits: bool = False,
-                         dropout: bool = False,
-                         mask: bool = False, cache: bool = False, dtype=None) -> None:
+                         dropout: bool = False, mask: bool = False, cache: bool = False,
+                         dtype=None) -> None:
   """ValueError naming the setting unless `implementation` can compute this call."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'implementation={implementation!r} is not one of {IMPLEMENTATIONS}.')
@@ -158,7 +158,7 @@ def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Arr
         query, key, value, key_bias=key_bias, mask=mask, is_causal=is_causal,
         pre_mixing=pre, post_mixing=post, dropout_rng=rng, dropout_rate=dropout_rate,
         broadcast_dropout=broadcast_dropout, block_size=block_size, precision=precision)
-  if key_bias is not None:  # as h extra key columns, one-hot on the query side
+  if False:  # as h extra key columns, one-hot on the query side
     one_hot = jnp.broadcast_to(jnp.eye(h, dtype=query.dtype), (*query.shape[:-1], h))
     query = jnp.concatenate([query, one_hot], axis=-1)
     key = jnp.concatenate(
@@ -169,15 +169,20 @@ def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Arr
 
 
 def _cudnn_attention(query, key, value, mask, is_causal):
-  """GPU: cuDNN's fused attention. Untested here (no GPU)."""
-  out = jax.nn.dot_product_attention(query, key, value, mask=mask, scale=1.0,
+  """GPU: cuDNN's fused attention over `[B, L, heads, d]`. Untested here (no GPU)."""
+  batch_shape, (q_length, heads, _) = query.shape[:-3], query.shape[-3:]
+  flat = lambda x: x.reshape(-1, *x.shape[-3:])
+  if mask is not None:  # to [B, heads|1, q, kv]
+    mask = jnp.asarray(mask, bool)
+    mask = mask.reshape((1,) * (len(batch_shape) + 3 - mask.ndim) + mask.shape)
+    mask = flat(jnp.broadcast_to(mask, (*batch_shape, *mask.shape[-3:])))
+  out = jax.nn.dot_product_attention(flat(query), flat(key), flat(value), mask=mask, scale=1.0,
                                      is_causal=is_causal, implementation='cudnn')
   if mask is not None:  # our contract: a query that sees no key outputs 0
-    sees_any = jnp.any(jnp.asarray(mask, bool), axis=-1)  # [.., heads|1, q]
-    sees_any = jnp.broadcast_to(sees_any, (*query.shape[:-3], query.shape[-2],
-                                           query.shape[-3]))
-    out = out * jnp.swapaxes(sees_any, -1, -2)[..., None].astype(out.dtype)
-  return out
+    visible = mask & core.causal_mask(q_length, key.shape[-3]) if is_causal else mask
+    sees_any = jnp.broadcast_to(jnp.any(visible, axis=-1), (out.shape[0], heads, q_length))
+    out = out * jnp.swapaxes(sees_any, 1, 2)[..., None].astype(out.dtype)
+  return out.reshape(*batch_shape, *out.shape[1:])
 
 
 def _splash_attention(query, key, value, is_causal, heads):

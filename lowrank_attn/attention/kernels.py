@@ -263,14 +263,14 @@ def multi_head_attention(
   stochastic = not deterministic and (dropout_rate > 0.0 or spec.gated)
   if stochastic and rng is None:
     raise ValueError('rng is required when deterministic=False and dropout_rate > 0 or gated.')
-  blockwise.check_implementation(
-      implementation, spec, block_size=block_size, return_weights=return_weights,
-      return_logits=return_logits, dropout=not deterministic and dropout_rate > 0.0,
-      mask=mask is not None, cache=cache is not None, dtype=dtype)
 
   if dtype is None:
     dtype = jnp.result_type(inputs_q, inputs_k, inputs_v,
                             *(v for name, v in params.items() if name != 'gate_log_alpha'))
+  blockwise.check_implementation(
+      implementation, spec, block_size=block_size, return_weights=return_weights,
+      return_logits=return_logits, dropout=not deterministic and dropout_rate > 0.0,
+      mask=mask is not None, cache=cache is not None, dtype=dtype)
   # Gate parameters stay float32: they only enter through float32 sigmoids.
   params = {name: value if name == 'gate_log_alpha' else jnp.asarray(value, dtype)
             for name, value in params.items()}

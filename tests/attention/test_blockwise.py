@@ -261,3 +261,49 @@ def test_invalid_implementation_settings_name_the_setting(make_params):
     with pytest.raises(ValueError, match='a boolean mask'):
       A.multi_head_attention(concat_params, x, spec=concat, mask=jnp.ones((3, 3), bool),
                              implementation='splash')
+
+
+def test_cudnn_wrapper_with_xla_standing_in_for_cudnn(make_params, monkeypatch):
+  """Only our wrapper (batch flattening, masks, fully masked rows): there is no GPU here, so
+  jax's XLA implementation stands in for cuDNN."""
+  real = jax.nn.dot_product_attention
+  monkeypatch.setattr(jax.nn, 'dot_product_attention',
+                      lambda *args, implementation, **kw: real(*args, implementation='xla', **kw))
+  spec = A.AttentionSpec(num_heads=4, in_features=8, num_kv_heads=2)
+  params = make_params(spec, dtype=jnp.bfloat16)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 6, 8)), jnp.bfloat16)
+  mask = jnp.asarray(np.random.default_rng(1).random((3, 1, 6, 6)) < 0.7).at[:, :, 2].set(False)
+  call = functools.partial(A.multi_head_attention, params, x, spec=spec, mask=mask,
+                           is_causal=True)
+  with blockwise.target_platform('gpu'):
+    out = call(implementation='cudnn').out
+  np.testing.assert_allclose(np.float32(out), np.float32(call(implementation='xla').out),
+                             atol=0.03, rtol=0.03)
+
+
+@pytest.mark.parametrize('options', [dict(num_kv_heads=1),
+                                     dict(kind='collaborative', key_dim=64)],
+                         ids=['grouped_query', 'collaborative'])
+def test_splash_kernel_in_interpret_mode(make_params, monkeypatch, options):
+  """The TPU splash kernel run by Pallas' interpreter on CPU: checks our operands (head-major
+  layout, grouped keys, collaborative as shared keys with one-hot bias columns) and gradients,
+  not TPU compilation or speed."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  monkeypatch.setattr(splash, 'make_splash_mha',
+                      functools.partial(splash.make_splash_mha, interpret=True))
+  spec = A.AttentionSpec(num_heads=2, in_features=128, **options)
+  params = make_params(spec)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 128, 128)), jnp.float32)
+
+  def loss(params, x, implementation):
+    out = A.multi_head_attention(params, x, spec=spec, is_causal=True,
+                                 implementation=implementation).out
+    return jnp.sum(jnp.sin(out)), out
+
+  grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+  expected_grads, expected = grad(params, x, 'xla')
+  with blockwise.target_platform('tpu'):
+    grads, out = grad(params, x, 'splash')
+  np.testing.assert_allclose(out, expected, atol=5e-5, rtol=1e-4)
+  for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
+    np.testing.assert_allclose(g, g_ref, atol=2e-3, rtol=2e-3)

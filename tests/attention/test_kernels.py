@@ -104,10 +104,10 @@ def test_talking_heads_with_identity_mixing_is_concat(make_params):
 def test_talking_heads_mixes_heads(make_params):
   talking = spec_of(kind='talking_heads')
   params = make_params(talking)
-  _, weights, _ = A.multi_head_attention(params, inputs(), spec=talking, return_weights=True)
+  weights = A.multi_head_attention(params, inputs(), spec=talking, return_weights=True).weights
   concat_params = {k: v for k, v in params.items() if 'mixing' not in k}
-  _, plain, _ = A.multi_head_attention(concat_params, inputs(), spec=spec_of(),
-                                       return_weights=True)
+  plain = A.multi_head_attention(concat_params, inputs(), spec=spec_of(),
+                                 return_weights=True).weights
   assert not np.allclose(weights, plain, atol=1e-3)
 
 
@@ -134,9 +134,8 @@ def test_fully_masked_query_rows_give_zero_and_finite_gradients(make_params, opt
   mask = jnp.ones((2, 1, 6, 6), bool).at[:, :, 2, :].set(False).at[1].set(False)
 
   def loss(params, x):
-    out, weights, _ = A.multi_head_attention(params, x, spec=spec, mask=mask,
-                                             return_weights=True)
-    return jnp.sum(out ** 2), (out, weights)
+    result = A.multi_head_attention(params, x, spec=spec, mask=mask, return_weights=True)
+    return jnp.sum(result.out ** 2), (result.out, result.weights)
 
   (value, (out, weights)), grads = jax.value_and_grad(loss, has_aux=True, argnums=(0, 1))(
       params, x)
@@ -164,8 +163,8 @@ def test_arbitrary_per_head_boolean_mask(make_params):
   spec = spec_of()
   params = make_params(spec)
   mask = jax.random.bernoulli(jax.random.key(5), 0.5, (2, 4, 6, 6))
-  _, weights, _ = A.multi_head_attention(params, inputs(), spec=spec, mask=mask,
-                                         return_weights=True)
+  weights = A.multi_head_attention(params, inputs(), spec=spec, mask=mask,
+                                   return_weights=True).weights
   assert np.all(np.asarray(weights)[~np.asarray(mask)] == 0.0)
   rows = np.asarray(mask).any(-1)
   np.testing.assert_allclose(np.asarray(weights.sum(-1))[rows], 1.0, atol=1e-5)
@@ -196,8 +195,9 @@ def test_decoding_step_by_step_equals_the_full_causal_pass(make_params, options)
   steps = []
   # A prefill chunk of 3, then one position at a time.
   for start, stop in [(0, 3)] + [(t, t + 1) for t in range(3, 7)]:
-    out, _, cache = A.multi_head_attention(params, x[:, start:stop], spec=spec, cache=cache)
-    steps.append(out)
+    result = A.multi_head_attention(params, x[:, start:stop], spec=spec, cache=cache)
+    steps.append(result.out)
+    cache = result.cache
   assert int(cache['index']) == 7
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-6)
 
@@ -216,8 +216,9 @@ def test_decoding_under_jit_with_a_traced_index(make_params):
   step = jax.jit(lambda cache, xt: A.multi_head_attention(params, xt, spec=spec, cache=cache))
   cache, outs = A.init_cache(spec, (2,), 5), []
   for t in range(5):
-    out, _, cache = step(cache, x[:, t:t + 1])
-    outs.append(out)
+    result = step(cache, x[:, t:t + 1])
+    outs.append(result.out)
+    cache = result.cache
   np.testing.assert_allclose(jnp.concatenate(outs, 1), run(params, x, spec, is_causal=True),
                              atol=2e-6)
 
@@ -308,10 +309,10 @@ def test_bfloat16_inputs_with_float32_softmax(make_params, options):
   spec = spec_of(**options)
   params = make_params(spec)
   x = inputs()
-  reference, _, _ = A.multi_head_attention(params, x, spec=spec, is_causal=True)
+  reference = A.multi_head_attention(params, x, spec=spec, is_causal=True).out
   params16 = {k: v.astype(jnp.bfloat16) for k, v in params.items()}
-  out, weights, _ = A.multi_head_attention(params16, x.astype(jnp.bfloat16), spec=spec,
-                                           is_causal=True, return_weights=True)
+  out, weights = A.multi_head_attention(params16, x.astype(jnp.bfloat16), spec=spec,
+                                        is_causal=True, return_weights=True)[:2]
   assert out.dtype == jnp.bfloat16 and weights.dtype == jnp.float32
   if spec.kind != 'talking_heads':
     np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)

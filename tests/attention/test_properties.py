@@ -95,6 +95,7 @@ def test_decoding_equals_full_causal_pass(make_params, s, kind):
   cache = A.init_cache(spec, (s['batch'],), s['q_length'])
   steps = []
   for t in range(s['q_length']):
-    step, _, cache = decode(cache, x[:, t:t + 1])
-    steps.append(step)
+    result = decode(cache, x[:, t:t + 1])
+    steps.append(result.out)
+    cache = result.cache
   np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=1e-5, rtol=1e-5)

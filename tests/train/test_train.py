@@ -106,7 +106,7 @@ def test_metrics_tensorboard_and_config_are_written(lm_run):
 
   saved = json.load(open(os.path.join(workdir, checkpoints.CONFIG_FILE)))
   assert saved['model']['emb_dim'] == config.model.emb_dim
-  assert saved['data']['name'] == 'tiny_shakespeare'
+  assert saved['data']['name'] == 'shakespeare'
 
 
 def test_rerunning_a_finished_run_resumes_at_its_end(lm_run):
