@@ -16,8 +16,10 @@ Implementations:
                in the backward pass, so memory is O(length) forward and backward.
   'cudnn'      GPU: `jax.nn.dot_product_attention(implementation='cudnn')`.
   'splash'     TPU: the Pallas splash-attention kernel.
-  'cudnn' and 'splash' are wired but untested here (no GPU/TPU); they refuse, with a ValueError,
-  the kinds and options they cannot compute (see `check_implementation`).
+  'cudnn' and 'splash' refuse, with a ValueError, the kinds and options they cannot compute
+  (see `check_implementation`). Neither has run on its device here (no GPU/TPU): the tests run
+  the splash kernel in Pallas' CPU interpreter, and our cuDNN wrapper with jax's XLA
+  implementation standing in for cuDNN.
 
 How each kind becomes blockwise attention over `query [.., q, heads, dk]`, `key [.., kv,
 key_heads, dk]`, `value [.., kv, value_heads, dv]` (key_heads and value_heads divide heads):
@@ -158,7 +160,7 @@ def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Arr
         query, key, value, key_bias=key_bias, mask=mask, is_causal=is_causal,
         pre_mixing=pre, post_mixing=post, dropout_rng=rng, dropout_rate=dropout_rate,
         broadcast_dropout=broadcast_dropout, block_size=block_size, precision=precision)
-  if False:  # as h extra key columns, one-hot on the query side
+  if key_bias is not None:  # as h extra key columns, one-hot on the query side
     one_hot = jnp.broadcast_to(jnp.eye(h, dtype=query.dtype), (*query.shape[:-1], h))
     query = jnp.concatenate([query, one_hot], axis=-1)
     key = jnp.concatenate(
@@ -169,7 +171,7 @@ def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Arr
 
 
 def _cudnn_attention(query, key, value, mask, is_causal):
-  """GPU: cuDNN's fused attention over `[B, L, heads, d]`. Untested here (no GPU)."""
+  """GPU: cuDNN's fused attention over `[B, L, heads, d]` (never run on a GPU here)."""
   batch_shape, (q_length, heads, _) = query.shape[:-3], query.shape[-3:]
   flat = lambda x: x.reshape(-1, *x.shape[-3:])
   if mask is not None:  # to [B, heads|1, q, kv]
@@ -186,7 +188,8 @@ def _cudnn_attention(query, key, value, mask, is_causal):
 
 
 def _splash_attention(query, key, value, is_causal, heads):
-  """TPU: the Pallas splash-attention kernel, vmapped over the batch. Untested here (no TPU)."""
+  """TPU: the Pallas splash-attention kernel, vmapped over the batch (run here only in Pallas'
+  CPU interpreter; lengths must suit its blocks, multiples of 128 by default)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # TPU-only dependency
       splash_attention_kernel as splash, splash_attention_mask as splash_mask)
   batch_shape = query.shape[:-3]

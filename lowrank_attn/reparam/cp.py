@@ -224,51 +224,48 @@ def _sweep(state: _State, g_q, g_k, norm2, h, d) -> tuple[_State, Array]:
   return _State(x_q, x_k, mixing, p_q, p_k, gram_q, gram_k), squared
 
 
-def _unfolding_vectors(g_self, w_other, rank, key):
+def _unfolding_vectors(g_self, g_other, h, rank, key):
   """Coefficients x `[h d, rank]` with W x = the leading left singular vectors of T's unfolding
   on W's side, scaled by the singular values (for the query side, T_(1) = [T_1 ... T_h]).
 
-  T_(1) T_(1)^T = sum_i W_Q^(i) (W_K^(i)T W_K^(i)) W_Q^(i)T = Y Y^T with Y = W_Q blockdiag(S_i),
-  S_i S_i^T = W_K^(i)T W_K^(i): the vectors are Y v = W_Q blockdiag(S_i) v for the eigenvectors v
-  of Y^T Y = blockdiag(S_i)^T G_Q blockdiag(S_i). Directions beyond the unfolding's rank
-  (rank > min(D, h d)) are random instead.
+  T_(1) = W_Q blockdiag(W_K^(i)T), so T_(1) T_(1)^T = Y Y^T with Y = W_Q K^1/2, K the
+  block-diagonal part of G_K: the vectors are Y v = W_Q K^1/2 v for the eigenvectors v of
+  Y^T Y = K^1/2 G_Q K^1/2. Directions beyond the unfolding's rank (rank > min(D, h d)) are
+  random instead.
   """
-  h, d = w_other.shape[1:]
-  values, vectors = jnp.linalg.eigh(jnp.einsum('khd,khe->hde', w_other, w_other))
-  roots = vectors * jnp.sqrt(jnp.maximum(values, 0.0))[:, None, :]  # [h, d, d]
-  s = jnp.einsum('ij,ide->idje', jnp.eye(h, dtype=roots.dtype), roots).reshape(h * d, h * d)
-  values, vectors = jnp.linalg.eigh(s.T @ g_self @ s)
+  hd = g_self.shape[0]
+  same_head = jnp.repeat(jnp.repeat(jnp.eye(h, dtype=bool), hd // h, 0), hd // h, 1)
+  # One eigendecomposition of the whole block-diagonal matrix, not a batch of per-head ones:
+  # jaxlib's batched CPU LAPACK calls can deadlock when two run at once on a small thread pool.
+  values, vectors = jnp.linalg.eigh(jnp.where(same_head, g_other, 0.0))
+  root = (vectors * jnp.sqrt(jnp.maximum(values, 0.0))) @ vectors.T
+  values, vectors = jnp.linalg.eigh(root @ g_self @ root)
   values, vectors = values[::-1][:rank], vectors[:, ::-1][:, :rank]
-  random = jax.random.normal(key, (h * d, rank), s.dtype)
+  random = jax.random.normal(key, (hd, rank), root.dtype)
   random *= jnp.sqrt(values[0] / jnp.sum(random * (g_self @ random), axis=0))
-  return jnp.where(values > 1e-12 * values[0], s @ vectors, random)
+  return jnp.where(values > 1e-12 * values[0], root @ vectors, random)
 
 
-def _svd_start(wq, wk, g_q, g_k, rank, key) -> _State:
-  """Singular vectors of the query- and key-side unfoldings, then the best mixing for them."""
-  h = wq.shape[1]
-  key_q, key_k = jax.random.split(key)
-  x_q = _unfolding_vectors(g_q, wk, rank, key_q)
-  x_k = _unfolding_vectors(g_k, wq, rank, key_k)
-  state = _with_products(x_q, x_k, jnp.zeros((h, rank), x_q.dtype), g_q, g_k)
+def _svd_start(x_q, x_k, g_q, g_k, h) -> _State:
+  """The unfoldings' singular vectors for queries and keys, then the best mixing for them."""
+  state = _with_products(x_q, x_k, jnp.zeros((h, x_q.shape[1]), x_q.dtype), g_q, g_k)
   mixing = _solve_normal(state.gram_q * state.gram_k, _mixing_rhs(state.p_q, state.p_k, h))
   return state._replace(mixing=mixing)
 
 
-def _tensorly_start(wq, wk, g_q, g_k, rank, key) -> _State:
+def _tensorly_start(x_k, g_q, g_k, h, key) -> _State:
   """tensorly's init='svd': key-side singular vectors, mixing = the head-mode singular vectors
-  completed by U[0, 1) columns (there are only h), then the best queries for them."""
-  h, d = wq.shape[1:]
-  key_k, key_m = jax.random.split(key)
-  x_k = _unfolding_vectors(g_k, wq, rank, key_k)
+  completed by U[0, 1) columns (there are only h of them), then the best queries for them."""
+  hd, rank = x_k.shape
   # T_(2) T_(2)^T [i, j] = <T_i, T_j> = tr(W_Q^(i)T W_Q^(j) W_K^(j)T W_K^(i)).
-  heads_gram = jnp.einsum('idje,idje->ij', g_q.reshape(h, d, h, d), g_k.reshape(h, d, h, d))
+  heads_gram = jnp.einsum('idje,idje->ij', g_q.reshape(h, hd // h, h, hd // h),
+                          g_k.reshape(h, hd // h, h, hd // h))
   head_vectors = jnp.linalg.eigh(heads_gram)[1][:, ::-1]
-  filler = jax.random.uniform(key_m, (h, max(rank - h, 0)), head_vectors.dtype)
+  filler = jax.random.uniform(key, (h, max(rank - h, 0)), head_vectors.dtype)
   mixing = jnp.concatenate([head_vectors, filler], axis=1)[:, :rank]
   p_k = g_k @ x_k
   gram_k = x_k.T @ p_k
-  x_q = _solve_normal(gram_k * (mixing.T @ mixing), p_k * _per_row(mixing, d))
+  x_q = _solve_normal(gram_k * (mixing.T @ mixing), p_k * _per_row(mixing, hd // h))
   return _with_products(x_q, x_k, mixing, g_q, g_k)
 
 
@@ -323,22 +320,29 @@ def _decompose(wq, wk, key, tol, *, rank, num_iterations, num_starts, dtype):
   norm2 = jnp.sum(jnp.einsum('qhd,qhe->hde', wq64, wq64) * jnp.einsum('khd,khe->hde', wk64, wk64))
   # Sweeps run in float32 (see collaborative_factors).
   g_q, g_k = g_q64.astype(jnp.float32), g_k64.astype(jnp.float32)
-  keys = jax.random.split(key, num_starts)
-  starts = [_svd_start(wq64, wk64, g_q64, g_k64, rank, keys[0])]
-  starts += [_tensorly_start(wq64, wk64, g_q64, g_k64, rank, k) for k in keys[1:]]
-  states = jax.tree.map(lambda *x: jnp.stack(x).astype(jnp.float32), *starts)
-  errors = jax.vmap(_relative_error64, (0, None, None, None, None))(states, g_q64, g_k64,
-                                                                      norm2, h)
+  key_q, key_k, *keys = jax.random.split(key, num_starts + 1)
+  x_q = _unfolding_vectors(g_q64, g_k64, h, rank, key_q)
+  x_k = _unfolding_vectors(g_k64, g_q64, h, rank, key_k)
+  starts = [_svd_start(x_q, x_k, g_q64, g_k64, h)]
+  starts += [_tensorly_start(x_k, g_q64, g_k64, h, k) for k in keys]
   num_checks = -(-num_iterations // CHECK_EVERY) + 1
-  history = jnp.full((num_starts, num_checks), jnp.nan, jnp.float64).at[:, 0].set(errors)
-  zeros = jnp.zeros((num_starts,), jnp.int32)
-  carries = _Carry(states, zeros, jnp.full((num_starts,), 2.0, jnp.float64), zeros, history,
-                   errors, errors < ERROR_FLOOR)
+
+  def start(state):
+    state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
+    error = _relative_error64(state, g_q64, g_k64, norm2, h)
+    history = jnp.full((num_checks,), jnp.nan, jnp.float64).at[0].set(error)
+    return _Carry(state, jnp.int32(0), jnp.float64(2.0), jnp.int32(0), history, error,
+                  error < ERROR_FLOOR)
+
   run = functools.partial(_iterate, tol=tol, g_q=g_q, g_k=g_k, g_q64=g_q64, g_k64=g_k64,
                           norm2=norm2, h=h, d=d)
+  carry = start(starts[0])
   if num_starts > 1:
-    carries = jax.vmap(functools.partial(run, limit=min(SCREEN_SWEEPS, num_iterations)))(carries)
-  carry = jax.tree.map(lambda x: x[jnp.argmin(carries.error)], carries)
+    # One start after the other (lax.map, not vmap: see _unfolding_vectors on batched LAPACK).
+    carries = jax.lax.map(
+        lambda c: run(c, limit=min(SCREEN_SWEEPS, num_iterations)),
+        jax.tree.map(lambda *x: jnp.stack(x), *[start(s) for s in starts]))
+    carry = jax.tree.map(lambda x: x[jnp.argmin(carries.error)], carries)
   carry = run(carry, limit=num_iterations)
   q, k, mixing = _normalize(w_q @ carry.state.x_q.astype(jnp.float64),
                             w_k @ carry.state.x_k.astype(jnp.float64),
