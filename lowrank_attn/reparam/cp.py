@@ -24,11 +24,8 @@ from lowrank_attn.attention.convert import concatenate_mixing
 
 Array = jax.Array
 
-# Every this many sweeps the error is recomputed in float64, recorded and tested for
-# convergence; in between, sweeps run in float32.
-CHECK_EVERY = 10
 # With several starts, all run this many sweeps; only the best goes on.
-SCREEN_SWEEPS = 20
+SCREEN_SWEEPS = 10
 # Relative error below which iterating stops: float32 factors cannot represent T better.
 ERROR_FLOOR = 1e-6
 # Extrapolation ("line search") of Bro (1998) as in tensorly's parafac: after a sweep, try
@@ -50,11 +47,11 @@ class CollaborativeFactors(NamedTuple):
   mixing: Array  # [heads, key_dim]
   relative_error: float  # |T - T^|_F / |T|_F of the returned factors, computed in float64
   num_iterations: int  # ALS sweeps from the returned start
-  error_history: np.ndarray  # errors after 0, CHECK_EVERY, 2 CHECK_EVERY, ... sweeps (last: all)
+  error_history: np.ndarray  # after 0, check_every, 2 check_every, ... sweeps (last: all)
 
 
-def collaborative_factors(query_kernel, key_kernel, key_dim: int, *, num_iterations: int = 300,
-                          tol: float = 1e-6, num_starts: int = 4,
+def collaborative_factors(query_kernel, key_kernel, key_dim: int, *, num_iterations: int = 100,
+                          tol: float = 1e-5, num_starts: int = 4, check_every: int = 10,
                           seed: int = 0) -> CollaborativeFactors:
   """CP-decompose the per-head bilinear forms W_Q^(i) W_K^(i)T of a concat layer.
 
@@ -65,10 +62,12 @@ def collaborative_factors(query_kernel, key_kernel, key_dim: int, *, num_iterati
       on, the block one-hot (concatenated heads) solution is exact and is returned directly.
     num_iterations: at most this many ALS sweeps.
     tol: stop once the relative error decreases by less than a fraction `tol` per sweep,
-      averaged over the last CHECK_EVERY sweeps (errors compared in float64).
+      averaged over the last `check_every` sweeps (errors compared in float64).
     num_starts: ALS has local minima, whose errors differ by about 1% on trained layers:
       start from the SVD initialisation and num_starts - 1 of tensorly's (random in part),
       run each SCREEN_SWEEPS sweeps, and go on with the best.
+    check_every: sweeps between the float64 error evaluations that are recorded in
+      `error_history` and tested for convergence (each costs about 3 float32 sweeps).
     seed: for the random parts of the starts.
 
   Starts: (1) the leading left singular vectors of T's query-side and key-side unfoldings
@@ -85,7 +84,8 @@ def collaborative_factors(query_kernel, key_kernel, key_dim: int, *, num_iterati
   fall below ~0.3). On XLA:CPU a float64 sweep costs about 3x a float32 one.
   """
   query_kernel, key_kernel = np.asarray(query_kernel), np.asarray(key_kernel)
-  _check_arguments(query_kernel, key_kernel, key_dim, num_iterations, tol, num_starts)
+  _check_arguments(query_kernel, key_kernel, key_dim, num_iterations, tol, num_starts,
+                   check_every)
   dtype = jnp.result_type(query_kernel, key_kernel)
   dq, h, d = query_kernel.shape
   if key_dim >= h * d:
@@ -101,13 +101,15 @@ def collaborative_factors(query_kernel, key_kernel, key_dim: int, *, num_iterati
   with jax.enable_x64(True):
     q, k, m, history, sweeps, error = _decompose(
         jnp.asarray(query_kernel), jnp.asarray(key_kernel), jax.random.key(seed), tol,
-        rank=key_dim, num_iterations=num_iterations, num_starts=num_starts, dtype=dtype)
-    num_checks = -(-int(sweeps) // CHECK_EVERY) + 1
+        rank=key_dim, num_iterations=num_iterations, num_starts=num_starts,
+        check_every=check_every, dtype=dtype)
+    num_checks = -(-int(sweeps) // check_every) + 1
     history = np.asarray(history)[:num_checks]
     return CollaborativeFactors(q, k, m, float(error), int(sweeps), history)
 
 
-def _check_arguments(query_kernel, key_kernel, key_dim, num_iterations, tol, num_starts):
+def _check_arguments(query_kernel, key_kernel, key_dim, num_iterations, tol, num_starts,
+                     check_every):
   if query_kernel.ndim != 3 or key_kernel.ndim != 3:
     raise ValueError(f'query_kernel {query_kernel.shape} and key_kernel {key_kernel.shape} must '
                      'be [D, heads, head_dim].')
@@ -115,7 +117,7 @@ def _check_arguments(query_kernel, key_kernel, key_dim, num_iterations, tol, num
     raise ValueError(f'query_kernel {query_kernel.shape} and key_kernel {key_kernel.shape} must '
                      'have the same heads and head_dim.')
   for name, value in (('key_dim', key_dim), ('num_iterations', num_iterations),
-                      ('num_starts', num_starts)):
+                      ('num_starts', num_starts), ('check_every', check_every)):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
       raise ValueError(f'{name}={value!r} must be an integer >= 1.')
   if not tol >= 0:
@@ -155,16 +157,18 @@ def _solve_normal(gram: Array, rhs: Array) -> Array:
   """x with x gram = rhs: the normal equations of an ALS update (Kolda & Bader 2009, sec. 3.4).
 
   gram `[R, R]` is a Hadamard product of Gram matrices, positive semi-definite. Its Cholesky
-  factor is computed in float64; the triangular solves run in rhs's dtype. The tiny ridge
-  keeps dead (all-zero) components from making the factorization fail.
+  factor L is computed in float64 (gram's condition number is the square of the factors');
+  then, in rhs's dtype, x = rhs L^-T L^-1: on XLA:CPU one triangular inverse and two matrix
+  products take a third of the time of two triangular solves with h d right-hand sides. The
+  tiny ridge keeps dead (all-zero) components from making the factorization fail.
   """
   gram = gram.astype(jnp.float64)
   ridge = 1e-12 * jnp.trace(gram) / gram.shape[0] + jnp.finfo(jnp.float64).tiny
   chol = jnp.linalg.cholesky(gram + ridge * jnp.eye(gram.shape[0], dtype=gram.dtype))
   chol = chol.astype(rhs.dtype)
-  # x chol chol^T = rhs: first z chol^T = rhs, then x chol = z.
-  z = jax.lax.linalg.triangular_solve(chol, rhs, left_side=False, lower=True, transpose_a=True)
-  return jax.lax.linalg.triangular_solve(chol, z, left_side=False, lower=True)
+  chol_inv = jax.lax.linalg.triangular_solve(
+      chol, jnp.eye(chol.shape[0], dtype=chol.dtype), left_side=True, lower=True)
+  return rhs @ (chol_inv.T @ chol_inv)
 
 
 def _mixing_rhs(p_q: Array, p_k: Array, h: int) -> Array:
@@ -228,18 +232,19 @@ def _unfolding_vectors(g_self, g_other, h, rank, key):
   """Coefficients x `[h d, rank]` with W x = the leading left singular vectors of T's unfolding
   on W's side, scaled by the singular values (for the query side, T_(1) = [T_1 ... T_h]).
 
-  T_(1) = W_Q blockdiag(W_K^(i)T), so T_(1) T_(1)^T = Y Y^T with Y = W_Q K^1/2, K the
-  block-diagonal part of G_K: the vectors are Y v = W_Q K^1/2 v for the eigenvectors v of
-  Y^T Y = K^1/2 G_Q K^1/2. Directions beyond the unfolding's rank (rank > min(D, h d)) are
-  random instead.
+  T_(1) = W_Q blockdiag(W_K^(i)T), so T_(1) T_(1)^T = Y Y^T with Y = W_Q S for any S S^T = K,
+  the block-diagonal part of G_K: the vectors are Y v = W_Q S v for the eigenvectors v of
+  Y^T Y = S^T G_Q S. Directions beyond the unfolding's rank (rank > min(D, h d)) are random.
   """
   hd = g_self.shape[0]
   same_head = jnp.repeat(jnp.repeat(jnp.eye(h, dtype=bool), hd // h, 0), hd // h, 1)
-  # One eigendecomposition of the whole block-diagonal matrix, not a batch of per-head ones:
-  # jaxlib's batched CPU LAPACK calls can deadlock when two run at once on a small thread pool.
-  values, vectors = jnp.linalg.eigh(jnp.where(same_head, g_other, 0.0))
-  root = (vectors * jnp.sqrt(jnp.maximum(values, 0.0))) @ vectors.T
-  values, vectors = jnp.linalg.eigh(root @ g_self @ root)
+  blocks = jnp.where(same_head, g_other, 0.0)
+  # One Cholesky of the block-diagonal matrix, not a batch of per-head ones: jaxlib's batched
+  # CPU LAPACK calls can deadlock when two run at once on a small thread pool. The ridge only
+  # matters for rank-deficient heads.
+  ridge = 1e-10 * jnp.trace(blocks) / hd + jnp.finfo(blocks.dtype).tiny
+  root = jnp.linalg.cholesky(blocks + ridge * jnp.eye(hd, dtype=blocks.dtype))
+  values, vectors = jnp.linalg.eigh(root.T @ g_self @ root)
   values, vectors = values[::-1][:rank], vectors[:, ::-1][:, :rank]
   random = jax.random.normal(key, (hd, rank), root.dtype)
   random *= jnp.sqrt(values[0] / jnp.sum(random * (g_self @ random), axis=0))
@@ -279,9 +284,10 @@ class _Carry(NamedTuple):
   done: Array
 
 
-def _iterate(carry: _Carry, limit, tol, g_q, g_k, g_q64, g_k64, norm2, h, d) -> _Carry:
+def _iterate(carry: _Carry, limit, check_every, tol, g_q, g_k, g_q64, g_k64, norm2, h,
+             d) -> _Carry:
   """ALS sweeps with extrapolation up to `limit` sweeps or convergence, checked every
-  CHECK_EVERY sweeps in float64."""
+  `check_every` sweeps in float64."""
 
   def sweep(k, inner):
     state, power, fails = inner
@@ -298,20 +304,21 @@ def _iterate(carry: _Carry, limit, tol, g_q, g_k, g_q64, g_k64, norm2, h, d) -> 
     return new, power, jnp.where(fails >= MAX_FAILS, 0, fails)
 
   def window(carry):
-    count = jnp.minimum(CHECK_EVERY, limit - carry.sweeps)
+    count = jnp.minimum(check_every, limit - carry.sweeps)
     state, power, fails = jax.lax.fori_loop(
         carry.sweeps, carry.sweeps + count, sweep, (carry.state, carry.power, carry.fails))
     sweeps = carry.sweeps + count
     error = _relative_error64(state, g_q64, g_k64, norm2, h)
-    history = carry.history.at[(sweeps + CHECK_EVERY - 1) // CHECK_EVERY].set(error)
+    history = carry.history.at[(sweeps + check_every - 1) // check_every].set(error)
     done = (carry.error - error < tol * count * carry.error) | (error < ERROR_FLOOR)
     return _Carry(state, sweeps, power, fails, history, error, done)
 
   return jax.lax.while_loop(lambda c: (c.sweeps < limit) & ~c.done, window, carry)
 
 
-@functools.partial(jax.jit, static_argnames=('rank', 'num_iterations', 'num_starts', 'dtype'))
-def _decompose(wq, wk, key, tol, *, rank, num_iterations, num_starts, dtype):
+@functools.partial(jax.jit, static_argnames=('rank', 'num_iterations', 'num_starts',
+                                             'check_every', 'dtype'))
+def _decompose(wq, wk, key, tol, *, rank, num_iterations, num_starts, check_every, dtype):
   """ALS from `num_starts` starts; the best after SCREEN_SWEEPS sweeps goes on to the end."""
   dq, h, d = wq.shape
   wq64, wk64 = wq.astype(jnp.float64), wk.astype(jnp.float64)
@@ -325,7 +332,7 @@ def _decompose(wq, wk, key, tol, *, rank, num_iterations, num_starts, dtype):
   x_k = _unfolding_vectors(g_k64, g_q64, h, rank, key_k)
   starts = [_svd_start(x_q, x_k, g_q64, g_k64, h)]
   starts += [_tensorly_start(x_k, g_q64, g_k64, h, k) for k in keys]
-  num_checks = -(-num_iterations // CHECK_EVERY) + 1
+  num_checks = -(-num_iterations // check_every) + 1
 
   def start(state):
     state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
@@ -334,8 +341,8 @@ def _decompose(wq, wk, key, tol, *, rank, num_iterations, num_starts, dtype):
     return _Carry(state, jnp.int32(0), jnp.float64(2.0), jnp.int32(0), history, error,
                   error < ERROR_FLOOR)
 
-  run = functools.partial(_iterate, tol=tol, g_q=g_q, g_k=g_k, g_q64=g_q64, g_k64=g_k64,
-                          norm2=norm2, h=h, d=d)
+  run = functools.partial(_iterate, check_every=check_every, tol=tol, g_q=g_q, g_k=g_k,
+                          g_q64=g_q64, g_k64=g_k64, norm2=norm2, h=h, d=d)
   carry = start(starts[0])
   if num_starts > 1:
     # One start after the other (lax.map, not vmap: see _unfolding_vectors on batched LAPACK).

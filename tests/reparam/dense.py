@@ -1,3 +1,5 @@
+"""Dense float64 numpy references for the CP tests (independent of the code under test)."""
+
 import numpy as np
 
 
@@ -17,7 +19,11 @@ def relative_error(tensor, approximation):
 
 
 def random_kernels(d_q, d_k, heads, head_dim, seed=0):
-  """Per-head query and key kernels `[D, heads, head_dim]`, like a trained layer's scale."""
+  """Per-head float32 query and key kernels `[D, heads, head_dim]` at a trained layer's scale."""
   rng = np.random.default_rng(seed)
-  return (rng.standard_normal((d_q, heads, head_dim)) / np.sqrt(d_q),
-          rng.standard_normal((d_k, heads, head_dim)) / np.sqrt(d_k))
+  return ((rng.standard_normal((d_q, heads, head_dim)) / np.sqrt(d_q)).astype(np.float32),
+          (rng.standard_normal((d_k, heads, head_dim)) / np.sqrt(d_k)).astype(np.float32))
+
+
+# One shape and rank for most tests: every new (shape, rank) compiles the ALS anew (seconds).
+D_Q, D_K, HEADS, HEAD_DIM, RANK = 16, 12, 4, 4, 6
