@@ -10,7 +10,7 @@ ifneq ($(wildcard ../shared/data/.),)
 export LOWRANK_ATTN_DATA ?= $(abspath ../shared/data)
 endif
 
-.PHONY: train test test-all bench venv
+.PHONY: train test test-all bench format venv
 
 venv: $(STAMP)
 
@@ -38,3 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/attention.py --out benchmarks/results/attention.md
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/input_pipeline.py --num_batches=500
+
+# pyink (the flax examples' formatter) with the settings in pyproject.toml.
+format: $(STAMP)
+	$(VENV)/bin/pyink lowrank_attn tests experiments benchmarks configs tpu setup.py

@@ -1,8 +1,14 @@
-"""Training-step speed: our decoder LM and the same model built from `flax.nnx` blocks.
+"""Training-step speed: our models and the same models built from `flax.nnx` blocks.
 
-    .venv/bin/python benchmarks/train_step.py                # 6 layers, D=512, 8 heads, L=128
+    .venv/bin/python benchmarks/train_step.py                # LM: 6 layers, D=512, 8 heads, L=128
     .venv/bin/python benchmarks/train_step.py --quick        # fewer repetitions
     .venv/bin/python benchmarks/train_step.py --batch 32 --vocab 32000
+    .venv/bin/python benchmarks/train_step.py --nmt_config configs/nmt.py:multi30k
+
+`--nmt_config` times the encoder-decoder of a translation config at its own sizes and batch
+(packed rows, four pairs per row, both sides full: real tokens = all tokens), against an
+encoder-decoder of `nnx.MultiHeadAttention` blocks with the same masks, tied embeddings and
+label smoothing.
 
 Both models have the same sizes, pre-LayerNorm blocks, untied output layer, AdamW with
 gradient clipping, and no dropout. Ours is timed through the real training path
@@ -47,15 +53,22 @@ def our_config(args):
 
 
 class FlaxBlock(nnx.Module):
-  def __init__(self, d, heads, rngs):
+  """Pre-LayerNorm block: self-attention, optionally cross-attention, then the MLP."""
+
+  def __init__(self, d, heads, rngs, mlp=None, cross=False):
     self.norm1 = nnx.LayerNorm(d, rngs=rngs)
     self.attention = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs)
+    if cross:
+      self.cross_norm = nnx.LayerNorm(d, rngs=rngs)
+      self.cross = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs)
     self.norm2 = nnx.LayerNorm(d, rngs=rngs)
-    self.wi = nnx.Linear(d, 4 * d, rngs=rngs)
-    self.wo = nnx.Linear(4 * d, d, rngs=rngs)
+    self.wi = nnx.Linear(d, mlp or 4 * d, rngs=rngs)
+    self.wo = nnx.Linear(mlp or 4 * d, d, rngs=rngs)
 
-  def __call__(self, x, mask):
+  def __call__(self, x, mask, encoded=None, cross_mask=None):
     x = x + self.attention(self.norm1(x), mask=mask)
+    if encoded is not None:
+      x = x + self.cross(self.cross_norm(x), encoded, mask=cross_mask)
     return x + self.wo(jax.nn.gelu(self.wi(self.norm2(x))))
 
 
@@ -79,17 +92,84 @@ class FlaxLM(nnx.Module):
     return self.out(self.norm(x))
 
 
-def flax_step_fn(graphdef, tx):
+class FlaxEncoderDecoder(nnx.Module):
+  """A pre-LayerNorm encoder-decoder from flax.nnx blocks, tied embeddings, packed rows."""
+
+  def __init__(self, vocab, d, mlp, heads, layers, length, bos_id, rngs):
+    self.bos_id = bos_id
+    self.embed = nnx.Embed(vocab, d, rngs=rngs)
+    self.positions = nnx.Param(jax.random.normal(rngs.params(), (length, d)) * 0.02)
+    self.encoder = nnx.List([FlaxBlock(d, heads, rngs, mlp) for _ in range(layers)])
+    self.encoder_norm = nnx.LayerNorm(d, rngs=rngs)
+    self.decoder = nnx.List([FlaxBlock(d, heads, rngs, mlp, cross=True)
+                             for _ in range(layers)])
+    self.decoder_norm = nnx.LayerNorm(d, rngs=rngs)
+
+  def _embed(self, tokens, positions):
+    x = self.embed(tokens) * jnp.sqrt(self.embed.features)
+    return x + jnp.take(self.positions[...], positions, axis=0)
+
+  def __call__(self, batch):
+    src_seg, tgt_seg = batch['inputs_segment_ids'], batch['targets_segment_ids']
+    x = self._embed(batch['inputs'], batch['inputs_positions'])
+    mask = nnx.make_attention_mask(src_seg, src_seg, jnp.equal)
+    for block in self.encoder:
+      x = block(x, mask)
+    encoded = self.encoder_norm(x)
+    # Teacher forcing: targets shifted right, each packed segment starting from BOS.
+    shifted = jnp.pad(batch['targets'], ((0, 0), (1, 0)))[:, :-1]
+    shifted = jnp.where(batch['targets_positions'] == 0, self.bos_id, shifted)
+    y = self._embed(shifted, batch['targets_positions'])
+    self_mask = nnx.combine_masks(nnx.make_causal_mask(shifted),
+                                  nnx.make_attention_mask(tgt_seg, tgt_seg, jnp.equal))
+    cross_mask = nnx.make_attention_mask(tgt_seg, src_seg, jnp.equal)
+    for block in self.decoder:
+      y = block(y, self_mask, encoded, cross_mask)
+    return self.embed.attend(self.decoder_norm(y))
+
+
+def flax_step_fn(graphdef, tx, label_smoothing=0.0):
   def step(state, batch):
     def loss_fn(params):
-      logits = nnx.merge(graphdef, params)(batch['inputs'], batch['segment_ids'])
-      sums = train.cross_entropy(logits, batch['targets'], batch['weights'])
+      model = nnx.merge(graphdef, params)
+      if 'inputs_segment_ids' in batch:
+        logits = model(batch)
+      else:
+        logits = model(batch['inputs'], batch['segment_ids'])
+      sums = train.cross_entropy(logits, batch['targets'], batch['weights'],
+                                 label_smoothing=label_smoothing)
       return sums['nll'] / jnp.maximum(sums['weight'], 1.0)
     loss, grads = jax.value_and_grad(loss_fn)(state['params'])
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
     return {'params': optax.apply_updates(state['params'], updates),
             'opt_state': opt_state}, loss
   return jax.jit(step, donate_argnums=0)
+
+
+def nmt_setup(args):
+  """(config, flax model, batch) for `--nmt_config`: the config's sizes and batch shape."""
+  config = config_lib.load(args.nmt_config)
+  config.model.dropout_rate = 0.0  # both models without dropout: the same math
+  config.mesh.data = 1
+  m, rows, length = config.model, config.per_device_batch_size, config.data.max_length
+  heads = m.attention.num_heads
+  if m.num_encoder_layers != m.num_decoder_layers or not isinstance(heads, int):
+    raise ValueError('--nmt_config: the flax baseline needs equal encoder/decoder depth and '
+                     'one head count.')
+  vocab = config.data.vocab_size
+  model = FlaxEncoderDecoder(vocab, m.emb_dim, m.mlp_dim, heads, m.num_encoder_layers,
+                             m.max_length, 1, nnx.Rngs(0))
+  r = np.random.RandomState(0)
+  pairs = 4  # packed pairs per row; every token real
+  segments = np.repeat(np.arange(1, pairs + 1, dtype=np.int32), length // pairs)
+  positions = np.tile(np.arange(length // pairs, dtype=np.int32), pairs)
+  batch = {'inputs': r.randint(3, vocab, (rows, length)).astype(np.int32),
+           'targets': r.randint(3, vocab, (rows, length)).astype(np.int32),
+           'weights': np.ones((rows, length), np.float32)}
+  for side in ('inputs', 'targets'):
+    batch[f'{side}_segment_ids'] = np.tile(segments, (rows, 1))
+    batch[f'{side}_positions'] = np.tile(positions, (rows, 1))
+  return config, model, batch, vocab
 
 
 def make_batch(args):
@@ -111,16 +191,21 @@ def main():
   parser.add_argument('--vocab', type=int, default=8192)
   parser.add_argument('--repeats', type=int, default=20)
   parser.add_argument('--quick', action='store_true', help='5 repetitions')
+  parser.add_argument('--nmt_config', default=None,
+                      help="a translation config, e.g. 'configs/nmt.py:multi30k'")
   args = parser.parse_args()
   repeats = 5 if args.quick else args.repeats
 
   devices = jax.devices()[:1]
   peak = metrics.measure_peak_flops_per_device(jnp.float32, size=2048) * len(devices)
-  batch = make_batch(args)
+  if args.nmt_config:
+    config, model, batch, vocab = nmt_setup(args)
+  else:
+    config, batch, vocab = our_config(args), make_batch(args), args.vocab
+    model = FlaxLM(args.vocab, args.dim, args.heads, args.layers, args.length, nnx.Rngs(0))
 
   # Ours, through the training loop's own setup.
-  config = our_config(args)
-  s = train.setup(config, vocab_size=args.vocab, bos_id=1, devices=devices)
+  s = train.setup(config, vocab_size=vocab, bos_id=1, devices=devices)
   ours_state = train.create_state(s)
   ours_step, _ = train.compile_steps(s, batch)
   ours_batch = s.global_batch(batch)
@@ -129,10 +214,9 @@ def main():
   flops = 3 * s.flops({k: v.shape for k, v in batch.items()})
 
   # The flax baseline, same optimizer.
-  model = FlaxLM(args.vocab, args.dim, args.heads, args.layers, args.length, nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
   flax_state = {'params': params, 'opt_state': s.tx.init(params)}
-  flax_step = flax_step_fn(graphdef, s.tx)
+  flax_step = flax_step_fn(graphdef, s.tx, config.label_smoothing)
   flax_batch = jax.device_put(batch, devices[0])
   ours_params = sharding.tree_size(ours_state['params'])
   flax_params = sharding.tree_size(params)
@@ -152,10 +236,14 @@ def main():
     jax.block_until_ready(loss)
     times['flax'].append(time.perf_counter() - start)
 
-  tokens = args.batch * args.length
+  tokens = sum(int(np.sum(batch[k] != 0)) for k in ('inputs', 'targets')
+               if k in batch and (args.nmt_config or k == 'inputs'))
+  m = config.model
+  layers = (f'{m.num_encoder_layers}+{m.num_decoder_layers} layers' if args.nmt_config
+            else f'{m.num_decoder_layers} layers')
   print(f'{platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, '
-        f'jax {jax.__version__}; {args.layers} layers, D={args.dim}, {args.heads} heads, '
-        f'L={args.length}, batch {args.batch}, vocab {args.vocab}, float32')
+        f'jax {jax.__version__}; {args.nmt_config or "decoder LM"}: {layers}, D={m.emb_dim}, '
+        f'{m.attention.num_heads} heads, batch {batch["inputs"].shape}, vocab {vocab}, float32')
   print(f'measured matmul peak: {peak / 1e9:.0f} GFLOP/s; training step: '
         f'{flops / 1e9:.1f} GFLOP (3x forward matmuls)')
   print(f'parameters: ours {ours_params:,}, flax {flax_params:,}')

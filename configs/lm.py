@@ -15,6 +15,12 @@ only sets what differs for the task. Variants: `configs/lm.py:<variant>`.
         python -m lowrank_attn.main --config=configs/lm.py --workdir=runs/lm
         Estimated from those FLOPs: ~14 hours on this CPU, minutes on one accelerator.
         Result: not measured yet.
+  bottleneck  The head-size sweep of Bhojanapalli et al. (2020) on Shakespeare's complete works
+        (experiments/bottleneck/sweep.py sets heads, kind and head_dim): context n = 128,
+        D = 256, 2 layers, sinusoidal positions, 16 x 128 characters per step, eval on the
+        whole validation split.
+        250 steps (512k characters): sized so that the sweep's 38 runs fit in 3 hours on the
+        2-core CPU (estimate and measured time: experiments/bottleneck/README.md).
 
 Attention variants are one line, e.g. collaborative heads with a shared key width of 128:
   --config.model.attention.kind=collaborative --config.model.attention.key_dim=128
@@ -47,6 +53,19 @@ def get_config(variant: str = 'base'):
   if variant == 'tiny':
     config_lib.shrink(config)
     config.data.name = 'shakespeare'  # installed from the package index: no data directory
+  elif variant == 'bottleneck':
+    config_lib.shrink(config, emb_dim=256, num_layers=2, num_heads=8, length=128, steps=250,
+                      batch=16)
+    config.data.name = 'shakespeare'
+    # Learned positions start at N(0, 0.02^2) next to unit-scale token embeddings: the model
+    # sits at the bigram plateau for hundreds of steps before it finds them. Sinusoidal ones
+    # are usable from step 0 (probe: train loss 2.33 after 150 steps; 2.46 after 130 of 300
+    # with learned positions).
+    config.model.positions = 'sinusoidal'
+    config.warmup_steps = 30
+    config.checkpoint_every_steps = 100
+    config.num_eval_steps = -1  # bits per character on all of the validation split
   elif variant != 'base':
-    raise ValueError(f'configs/lm.py: unknown variant {variant!r}; valid: base, tiny.')
+    raise ValueError(f'configs/lm.py: unknown variant {variant!r}; valid: base, tiny, '
+                     'bottleneck.')
   return config

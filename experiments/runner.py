@@ -3,11 +3,11 @@
 An experiment script builds `Run`s and hands them to `run_grid`:
 
     runs = [train_run(f'kd{k}-s{s}', 'configs/nmt.py:multi30k', seed=s,
-                      overrides={'model.encoder.attention.key_dim': k})
+                      overrides={'model.encoder_attention.key_dim': k})
             for k in (16, 32, 64) for s in (0, 1, 2)]
     results = run_grid(runs, 'experiments/key_width', runs_dir=args.runs_dir)
     rows = final(results, split='test')
-    plot_lines(rows, x='model.encoder.attention.key_dim', y='bleu', out='.../bleu.png')
+    plot_lines(rows, x='model.encoder_attention.key_dim', y='bleu', out='.../bleu.png')
 
 Each run owns `<runs_dir>/<name>/` (its command's `{rundir}`): `log.txt` (stdout and stderr of
 every attempt), `attempts.jsonl`, `LOCK` and, once the command exited 0, `DONE`: a JSON object
@@ -89,7 +89,7 @@ def train_run(name: str, config: str, *, seed: int = 0,
   """A `python -m lowrank_attn.main` run whose workdir is the run directory.
 
   `config` is the `--config` argument ('configs/nmt.py:multi30k'); `overrides` maps config
-  fields to values ({'model.encoder.attention.key_dim': 32}) and, with `config`, is recorded
+  fields to values ({'model.encoder_attention.key_dim': 32}) and, with `config`, is recorded
   as the run's config. Other arguments go to `Run`.
   """
   overrides = dict(overrides or {})

@@ -49,6 +49,11 @@ def _unchanged_and_content_bias(params: dict, spec: AttentionSpec) -> dict:
   return new
 
 
+# The keyword arguments of `lowrank_attn.reparam.collaborative_factors`, which the conversions
+# pass on (`**cp_options`); everything else they take is a setting of the converted layer.
+CP_OPTIONS = ('num_iterations', 'tol', 'num_starts', 'check_every', 'seed')
+
+
 def concat_to_collaborative(params: dict, spec: AttentionSpec, key_dim: int | None = None, *,
                             rescale_logits: bool = False, return_error: bool = False,
                             **cp_options):
@@ -94,7 +99,7 @@ def concat_to_collaborative(params: dict, spec: AttentionSpec, key_dim: int | No
   return (new, new_spec, error) if return_error else (new, new_spec)
 
 
-def per_head_svd(params: dict, spec: AttentionSpec, key_dim: int) -> tuple[dict, AttentionSpec]:
+def per_head_svd(params: dict, spec: AttentionSpec, key_dim: int, *, return_error: bool = False):
   """The low-rank concat baseline at equal key width: each head's logits truncated by SVD.
 
   Head i keeps the best rank-k_i approximation of W_Q^(i) W_K^(i)T (Eckart-Young), k_i = its
@@ -106,6 +111,10 @@ def per_head_svd(params: dict, spec: AttentionSpec, key_dim: int) -> tuple[dict,
   singular values split evenly between queries and keys. The content bias is kept exact, as
   in `concat_to_collaborative` (a concat layer of head width k_i would only keep its
   projection onto its key directions); the logit scale and everything else are unchanged.
+
+  Returns:
+    (params, spec), or (params, spec, relative_error) with `return_error=True`: |T - T^|_F /
+    |T|_F over all heads, from the discarded singular values (Eckart-Young).
   """
   _check_convertible('per_head_svd', spec)
   h, d = spec.num_heads, spec.head_dim
@@ -135,4 +144,9 @@ def per_head_svd(params: dict, spec: AttentionSpec, key_dim: int) -> tuple[dict,
   new['mixing'] = jnp.asarray(mixing, wq.dtype)
   new_spec = dataclasses.replace(spec, kind='collaborative', key_dim=key_dim,
                                  logit_scale=float(spec.logit_scale))
-  return new, new_spec
+  if not return_error:
+    return new, new_spec
+  discarded = sum(np.sum(s[i, int(mixing[i].sum()):] ** 2) for i in range(h))
+  total = np.sum(s ** 2)
+  error = float(np.sqrt(discarded / total)) if total > 0 else 0.0
+  return new, new_spec, error

@@ -139,7 +139,7 @@ def init_cache(spec: AttentionSpec, batch_shape: tuple[int, ...], max_length: in
   batch_shape = tuple(batch_shape)
   h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
   if spec.is_dot_product:
-    cache = {'key': jnp.zeros((*batch_shape, max_length, hkv, d), dtype),
+    cache = {'key': jnp.zeros((*batch_shape, max_length, spec.key_heads, d), dtype),
              'value': jnp.zeros((*batch_shape, max_length, hkv, d), dtype)}
   else:
     cache = {'key': jnp.zeros((*batch_shape, max_length, spec.key_dim), dtype),
@@ -196,6 +196,22 @@ def _check_inputs(params, spec, inputs_q, inputs_k, inputs_v, cache):
     if inputs_q.shape[-2] > max_length:
       raise ValueError(f'decoding {inputs_q.shape[-2]} positions at once exceeds the cache '
                        f'length {max_length}.')
+
+
+def _without_heads(params, spec, inputs_q, inputs_k, cache, dtype, return_weights,
+                   return_logits) -> AttentionOutput:
+  """A fully pruned layer (num_heads=0): its output is its output bias."""
+  q_length = inputs_q.shape[-2]
+  out = jnp.zeros((*inputs_q.shape[:-1], spec.out_features), dtype)
+  if 'out_bias' in params:
+    out = out + params['out_bias']
+  kv_length = inputs_k.shape[-2]
+  if cache is not None:  # the decoding position still advances
+    kv_length = cache['value'].shape[inputs_q.ndim - 2]
+    cache = {**cache, 'index': cache['index'] + q_length}
+  empty = jnp.zeros((*inputs_q.shape[:-2], 0, q_length, kv_length), jnp.float32)
+  return AttentionOutput(out, empty if return_weights else None, cache,
+                         empty if return_logits else None)
 
 
 def multi_head_attention(
@@ -277,6 +293,9 @@ def multi_head_attention(
   inputs_q, inputs_k, inputs_v = (jnp.asarray(x, dtype) for x in (inputs_q, inputs_k, inputs_v))
   batch_shape = inputs_q.shape[:-2]
   length_axis = len(batch_shape)
+  if spec.num_heads == 0:
+    return _without_heads(params, spec, inputs_q, inputs_k, cache, dtype, return_weights,
+                          return_logits)
 
   query, key, value, content_bias = project(params, spec, inputs_q, inputs_k, inputs_v,
                                             precision)

@@ -15,12 +15,13 @@ KINDS: tuple[str, ...] = ('concat', 'fixed_head', 'collaborative', 'talking_head
 DOT_PRODUCT_KINDS = ('concat', 'fixed_head', 'talking_heads')
 
 
-def _require_positive_int(name: str, value) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-    raise ValueError(f'{name}={value!r} must be an integer >= 1.')
+def _require_int(name: str, value, minimum: int = 1, note: str = '') -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    raise ValueError(f'{name}={value!r} must be an integer >= {minimum}{note}.')
 
 
 MIXING_INITS = ('concatenate', 'all_ones', 'random')
+GATE_INITS = ('glorot',)  # gate_log_alpha_init: a number, or one of these
 SIZE_FIELDS = ('in_features', 'out_features', 'in_kv_features')  # set by the model, not a config
 
 
@@ -37,7 +38,8 @@ class AttentionSpec:
   layer=i)` gives layer i's complete spec.
 
   Attributes:
-    num_heads: h, number of heads (a template may give one per layer).
+    num_heads: h, number of heads (a template may give one per layer). 0 is a fully pruned
+      layer: it needs head_dim, has only its output bias as parameter, and outputs it.
     in_features: D, width of the query input.
     kind: how per-head logits are computed:
       'concat': standard attention, head size qkv_features / num_heads (Vaswani et al.).
@@ -47,6 +49,11 @@ class AttentionSpec:
         by its mixing vector m_i (Cordonnier et al. 2020, eq. 7).
       'talking_heads': concat plus learned h x h mixing of the logits before and of the
         weights after the softmax (Shazeer et al. 2020).
+    num_logit_heads: talking_heads only: the heads that compute logits and softmaxes (h_k = h
+      of Shazeer et al.), each output head mixing all of them; num_heads counts the output
+      (value) heads, which head masks, gates and pruning address. Default num_heads; fewer
+      output heads than logit heads is what pruning a talking-heads layer leaves. A template
+      may give one per layer.
     qkv_features: total query/key/value width, num_heads * head_dim; defaults to in_features
       (or to num_heads * head_dim when head_dim is given).
     out_features: output width; defaults to in_features.
@@ -69,8 +76,12 @@ class AttentionSpec:
     dropout_rate: dropout on the attention weights, in [0, 1).
     gated: multiply each head's output by a hard-concrete gate (Voita et al. 2019).
     gate_temperature, gate_stretch: the gates' `HardConcrete` settings.
-    gate_log_alpha_init: initial log-alpha of every gate. 3.0 > log(11) makes every
-      evaluation gate exactly 1, so a freshly gated layer computes what its ungated kind does.
+    gate_log_alpha_init: initial log-alpha of the gates: a number for all of them, or
+      'glorot': uniform in +-sqrt(3 / num_heads), Voita et al.'s code (TF's default
+      glorot-uniform initializer over their gate variable of shape [1, heads, 1, 1]). The
+      default 3.0 > log(11) makes every evaluation gate exactly 1, so a freshly gated layer
+      computes what its ungated kind does; near 0 (glorot) the L0 penalty's gradient is ~10x
+      stronger and evaluation gates start near 0.5.
   """
 
   num_heads: int | tuple[int, ...]
@@ -90,10 +101,11 @@ class AttentionSpec:
   gated: bool = False
   gate_temperature: float = HardConcrete.temperature
   gate_stretch: tuple[float, float] = HardConcrete.stretch
-  gate_log_alpha_init: float = 3.0
+  gate_log_alpha_init: float | str = 3.0
+  num_logit_heads: int | tuple[int, ...] | None = None
 
   def __post_init__(self):
-    for name in ('num_heads', 'gate_stretch'):  # lists from JSON or a config: keep hashable
+    for name in ('num_heads', 'num_logit_heads', 'gate_stretch'):  # lists from JSON: hashable
       if isinstance(getattr(self, name), list):
         object.__setattr__(self, name, tuple(getattr(self, name)))
     if self.kind not in KINDS:
@@ -102,20 +114,28 @@ class AttentionSpec:
       raise ValueError(f'mixing_init={self.mixing_init!r} is not one of {MIXING_INITS}.')
     if not (isinstance(self.dropout_rate, (int, float)) and 0.0 <= self.dropout_rate < 1.0):
       raise ValueError(f'dropout_rate={self.dropout_rate!r} must be in [0, 1).')
-    if not isinstance(self.gate_log_alpha_init, (int, float)):
-      raise ValueError(f'gate_log_alpha_init={self.gate_log_alpha_init!r} must be a number.')
+    init = self.gate_log_alpha_init
+    if not (init in GATE_INITS if isinstance(init, str)
+            else isinstance(init, (int, float)) and not isinstance(init, bool)):
+      raise ValueError(f'gate_log_alpha_init={init!r} must be a number or one of {GATE_INITS}.')
     self.gate  # validates the gate settings
     if self.logit_scale is not None and not (
         isinstance(self.logit_scale, (int, float)) and self.logit_scale > 0):
       raise ValueError(f'logit_scale={self.logit_scale!r} must be a number > 0.')
-    heads = self.num_heads if isinstance(self.num_heads, tuple) else (self.num_heads,)
-    if not heads:
-      raise ValueError('num_heads=() must name at least one layer.')
-    for h in heads:
-      _require_positive_int('num_heads', h)
+    for name in ('num_heads', 'num_logit_heads'):
+      value = getattr(self, name)
+      counts = value if isinstance(value, tuple) else (value,)
+      if not counts:
+        raise ValueError(f'{name}=() must name at least one layer.')
+      for h in counts:
+        if h is not None or name == 'num_heads':
+          _require_int(name, h, 0, ' (0: a fully pruned layer)')
+    if self.num_logit_heads is not None and self.kind != 'talking_heads':
+      raise ValueError(f'num_logit_heads={self.num_logit_heads} is only used by '
+                       f"kind='talking_heads' (got kind={self.kind!r}).")
     for name in ('qkv_features', 'head_dim', 'key_dim', 'num_kv_heads', *SIZE_FIELDS):
       if getattr(self, name) is not None:
-        _require_positive_int(name, getattr(self, name))
+        _require_int(name, getattr(self, name))
     if self.kind == 'fixed_head' and self.head_dim is None:
       raise ValueError(
           "kind='fixed_head' needs head_dim (an integer >= 1): the head size is chosen "
@@ -129,8 +149,9 @@ class AttentionSpec:
 
   @property
   def is_template(self) -> bool:
-    """True until the sizes are known: no in_features, or one head count per layer."""
-    return self.in_features is None or isinstance(self.num_heads, tuple)
+    """True until the sizes are known: no in_features, or head counts per layer."""
+    return (self.in_features is None or isinstance(self.num_heads, tuple)
+            or isinstance(self.num_logit_heads, tuple))
 
   @property
   def gate(self) -> HardConcrete:
@@ -145,10 +166,15 @@ class AttentionSpec:
   def resolve(self, in_features: int, layer: int = 0, **sizes) -> 'AttentionSpec':
     """Layer `layer`'s complete spec for inputs of width `in_features` (sizes: out_features,
     in_kv_features). A complete spec with the same sizes is returned as is."""
-    if isinstance(self.num_heads, tuple) and len(self.num_heads) <= layer:
-      raise ValueError(f'num_heads={self.num_heads} has no entry for layer {layer}.')
-    num_heads = self.num_heads_of_layer(layer)
-    return dataclasses.replace(self, num_heads=num_heads, in_features=in_features, **sizes)
+    per_layer = {}
+    for name in ('num_heads', 'num_logit_heads'):
+      value = getattr(self, name)
+      if isinstance(value, tuple):
+        if len(value) <= layer:
+          raise ValueError(f'{name}={value} has no entry for layer {layer}.')
+        value = value[layer]
+      per_layer[name] = value
+    return dataclasses.replace(self, **per_layer, in_features=in_features, **sizes)
 
   def options(self) -> dict:
     """The fields a template carries (everything but the sizes a model sets)."""
@@ -163,6 +189,9 @@ class AttentionSpec:
 
     # head_dim and qkv_features = num_heads * head_dim: give either one, or both consistently.
     h = self.num_heads
+    if h == 0 and self.head_dim is None:
+      raise ValueError('num_heads=0 (a fully pruned layer) needs head_dim: the width its '
+                       'output projection expects per head.')
     if self.head_dim is None:
       qkv = self.in_features if self.qkv_features is None else self.qkv_features
       if qkv % h:
@@ -191,13 +220,21 @@ class AttentionSpec:
 
     if self.num_kv_heads is None:
       resolve('num_kv_heads', h)
-    if h % self.num_kv_heads:
+    if h % max(self.num_kv_heads, 1):
       raise ValueError(
           f'num_heads={h} must be divisible by num_kv_heads={self.num_kv_heads} '
           f'(valid num_kv_heads: divisors of {h}).')
 
+    if self.kind == 'talking_heads':
+      if self.num_logit_heads is None:
+        resolve('num_logit_heads', h)
+      if self.num_logit_heads != h and self.num_kv_heads != h:
+        raise ValueError(
+            f'num_logit_heads={self.num_logit_heads} != num_heads={h} needs num_kv_heads=None '
+            f'(got {self.num_kv_heads}): grouped keys/values are not defined for it.')
+
     if self.logit_scale is None:
-      width = self.key_dim / h if self.kind == 'collaborative' else self.head_dim
+      width = self.key_dim / max(h, 1) if self.kind == 'collaborative' else self.head_dim
       resolve('logit_scale', 1.0 / math.sqrt(width))
 
   # ---------------------------------------------------------------- parameters
@@ -206,18 +243,32 @@ class AttentionSpec:
   def is_dot_product(self) -> bool:
     return self.kind in DOT_PRODUCT_KINDS
 
+  @property
+  def query_heads(self) -> int:
+    """Heads of the query projection: num_heads, or talking heads' num_logit_heads."""
+    return self.num_logit_heads if self.kind == 'talking_heads' else self.num_heads
+
+  @property
+  def key_heads(self) -> int:
+    """Heads of the key projection (dot-product kinds): num_kv_heads, or the logit heads of
+    a talking-heads layer with fewer output heads."""
+    return self.num_kv_heads if self.query_heads == self.num_heads else self.query_heads
+
   def param_shapes(self) -> dict[str, tuple[int, ...]]:
     """Shape of every parameter, by name (the names the kernels and the NNX layer use)."""
     h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
     D, Dkv, Dout = self.in_features, self.in_kv_features, self.out_features
+    if h == 0:  # a fully pruned layer keeps only its output bias
+      return {'out_bias': (Dout,)} if self.use_bias else {}
     shapes = {}
     if self.is_dot_product:
-      shapes['query_kernel'] = (D, h, d)
+      hq, hk = self.query_heads, self.key_heads
+      shapes['query_kernel'] = (D, hq, d)
       if self.use_bias:
-        shapes['query_bias'] = (h, d)
-      shapes['key_kernel'] = (Dkv, hkv, d)
+        shapes['query_bias'] = (hq, d)
+      shapes['key_kernel'] = (Dkv, hk, d)
       if self.use_bias:
-        shapes['key_bias'] = (hkv, d)
+        shapes['key_bias'] = (hk, d)
     else:
       shapes['query_kernel'] = (D, self.key_dim)
       shapes['key_kernel'] = (Dkv, self.key_dim)
@@ -235,8 +286,8 @@ class AttentionSpec:
     if self.use_bias:
       shapes['out_bias'] = (Dout,)
     if self.kind == 'talking_heads':
-      shapes['pre_softmax_mixing'] = (h, h)
-      shapes['post_softmax_mixing'] = (h, h)
+      shapes['pre_softmax_mixing'] = (self.num_logit_heads, self.num_logit_heads)
+      shapes['post_softmax_mixing'] = (self.num_logit_heads, h)
     if self.gated:
       shapes['gate_log_alpha'] = (h,)
     return shapes
@@ -277,12 +328,14 @@ class AttentionSpec:
     """
     kv_length = q_length if kv_length is None else kv_length
     h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+    if h == 0:
+      return 0
     D, Dkv, Dout = self.in_features, self.in_kv_features, self.out_features
     nq, nk = batch * q_length, batch * kv_length
     pairs = batch * q_length * kv_length  # query-key pairs
     if self.is_dot_product:
-      projections = nq * D * h * d + 2 * nk * Dkv * hkv * d
-      logits = pairs * h * d
+      projections = nq * D * self.query_heads * d + nk * Dkv * (self.key_heads + hkv) * d
+      logits = pairs * self.query_heads * d
     else:
       projections = nq * D * self.key_dim + nk * Dkv * self.key_dim + nk * Dkv * h * d
       if self.use_bias:
@@ -290,5 +343,7 @@ class AttentionSpec:
       logits = pairs * h * self.key_dim
     weighted_sum = pairs * h * d
     out = nq * h * d * Dout
-    talking = 2 * pairs * h * h if self.kind == 'talking_heads' else 0
+    talking = 0
+    if self.kind == 'talking_heads':  # [hk, hk] before and [hk, h] after the softmax
+      talking = pairs * self.num_logit_heads * (self.num_logit_heads + h)
     return 2 * (projections + logits + weighted_sum + out + talking)

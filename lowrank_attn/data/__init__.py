@@ -27,7 +27,7 @@ from lowrank_attn.data.datasets import (
     load_data_source,
     load_text_files,
 )
-from lowrank_attn.data.pipeline import ArraySpec, Pipeline, make_pipeline
+from lowrank_attn.data.pipeline import ArraySpec, Pipeline, load_tokenizer, make_pipeline
 from lowrank_attn.data.raw_files import DATA_DIR_ENV, MissingSplitWarning
 from lowrank_attn.data.tokenizers import (
     CharTokenizer,
@@ -57,6 +57,7 @@ __all__ = [
     'load_builder',
     'load_data_source',
     'load_text_files',
+    'load_tokenizer',
     'make_pipeline',
     'mask_tokens',
 ]

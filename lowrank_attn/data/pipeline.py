@@ -192,9 +192,7 @@ def _text_fields(config: DataConfig, source) -> tuple[str, ...]:
   return fields
 
 
-def _load_tokenizer(
-    config: DataConfig, fields, *, workdir, tfds_data_dir
-) -> tokenizers_lib.Tokenizer:
+def _tokenizer_cache_path(config: DataConfig, fields, workdir) -> str | None:
   cache_path = config.tokenizer_path
   if cache_path is None and workdir is not None and config.tokenizer != 'wordpiece':
     kind = config.tokenizer
@@ -205,6 +203,29 @@ def _load_tokenizer(
     cache_path = os.path.join(
         os.fspath(workdir), 'tokenizers', f"{dataset}_{'+'.join(fields)}_{kind}.{suffix}"
     )
+  return cache_path
+
+
+def load_tokenizer(data_config, workdir: str | os.PathLike) -> tokenizers_lib.Tokenizer:
+  """The tokenizer a run in `workdir` trained (or its WordPiece vocabulary), never training one.
+
+  For reading a finished run without its data (`python -m lowrank_attn.translate`).
+  Raises FileNotFoundError naming the file when the run has no such tokenizer.
+  """
+  config = as_data_config(data_config)
+  path = _tokenizer_cache_path(config, _file_features(config), workdir)
+  if path is not None and not os.path.exists(path):
+    raise FileNotFoundError(f'no {config.tokenizer} tokenizer at {path} (the run trains it '
+                            'before its first step; set data.tokenizer_path if it is elsewhere)')
+  return tokenizers_lib.load_or_train(
+      config.tokenizer, cache_path=path, training_texts=None, vocab_size=config.vocab_size,
+      model_type=config.sentencepiece_model_type, vocab_path=config.vocab_path)
+
+
+def _load_tokenizer(
+    config: DataConfig, fields, *, workdir, tfds_data_dir
+) -> tokenizers_lib.Tokenizer:
+  cache_path = _tokenizer_cache_path(config, fields, workdir)
 
   def training_texts() -> Iterator[str]:
     try:

@@ -6,17 +6,28 @@
     unused = load_bert_weights(model, safetensors.numpy.load_file(path / 'model.safetensors'))
 
 Works for any BERT-architecture checkpoint (BERT, MiniLM, ...). Attention can be made
-collaborative or gated afterwards by re-parametrizing the loaded concat layers
-(`MultiHeadAttention.from_flax`-style conversions live with the layer).
+collaborative afterwards by re-parametrizing the loaded concat layers
+(`lowrank_attn.reparam.to_collaborative`).
+
+A sentence-transformers model (all-MiniLM-L6-v2) is a sentence encoder: token states pooled as
+its `1_Pooling/config.json` says, then L2-normalised if its `modules.json` ends with a
+Normalize module; `sentence_pooling(path)` reads that and `sentence_embeddings` applies it.
 """
 
 from collections.abc import Mapping
-from typing import Any
+import json
+import os
+import pathlib
+from typing import Any, NamedTuple
 
+from flax import nnx
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lowrank_attn.attention import AttentionSpec
 from lowrank_attn.models.config import TransformerConfig
+from lowrank_attn.models.transformer import EncoderMLM
 
 
 def bert_config(hf_config: Mapping[str, Any], **overrides) -> TransformerConfig:
@@ -117,3 +128,61 @@ def load_bert_weights(model, tensors: Mapping[str, np.ndarray]) -> list[str]:
     used.add('cls.predictions.decoder.weight')  # tied to the word embeddings
     used.add('cls.predictions.decoder.bias')
   return sorted(set(tensors) - used)
+
+
+class Pooling(NamedTuple):
+  """How a sentence-transformers model turns token states into one sentence embedding."""
+  mode: str = 'mean'  # 'mean' (over non-padding tokens) | 'cls' | 'max'
+  normalize: bool = True  # L2-normalise the pooled vector
+
+
+# sentence-transformers' Pooling config keys -> our modes.
+_POOLING_KEYS = {'pooling_mode_mean_tokens': 'mean', 'pooling_mode_cls_token': 'cls',
+                 'pooling_mode_max_tokens': 'max'}
+
+
+def sentence_pooling(model_dir: str | os.PathLike) -> Pooling:
+  """The pooling of a sentence-transformers model directory (its modules.json and pooling
+  config); ValueError for a pooling we do not implement."""
+  model_dir = pathlib.Path(model_dir)
+  modules = json.loads((model_dir / 'modules.json').read_text())
+  types = [module['type'].rsplit('.', 1)[-1] for module in modules]
+  if 'Pooling' not in types:
+    raise ValueError(f'{model_dir / "modules.json"} has no Pooling module (modules: {types}).')
+  pooling_dir = model_dir / modules[types.index('Pooling')]['path']
+  config = json.loads((pooling_dir / 'config.json').read_text())
+  chosen = [key for key, value in config.items() if key.startswith('pooling_mode') and value]
+  if len(chosen) != 1 or chosen[0] not in _POOLING_KEYS:
+    raise ValueError(f'{pooling_dir / "config.json"}: pooling {chosen} is not supported; one '
+                     f'of {sorted(_POOLING_KEYS)} must be set.')
+  return Pooling(mode=_POOLING_KEYS[chosen[0]], normalize=types[-1] == 'Normalize')
+
+
+def sentence_embeddings(model, inputs: jax.Array, pooling: Pooling = Pooling()) -> jax.Array:
+  """Sentence embeddings `[batch, D]` float32 of token ids `[batch, length]` (0 = padding,
+  each row `[CLS] ... [SEP]`) by an `EncoderMLM`'s final hidden states and `pooling`."""
+  hidden, _ = model.encode(inputs)
+  hidden = hidden.astype(jnp.float32)
+  valid = (inputs != 0)[..., None]
+  if pooling.mode == 'mean':
+    pooled = jnp.sum(hidden * valid, axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1)
+  elif pooling.mode == 'cls':
+    pooled = hidden[:, 0]
+  elif pooling.mode == 'max':
+    pooled = jnp.max(jnp.where(valid, hidden, -jnp.inf), axis=1)
+  else:
+    raise ValueError(f'pooling mode {pooling.mode!r} is not one of {set(_POOLING_KEYS.values())}.')
+  if pooling.normalize:  # as torch.nn.functional.normalize: x / max(|x|, 1e-12)
+    pooled = pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+  return pooled
+
+
+def load_pretrained(model_dir: str | os.PathLike, **overrides):
+  """An `EncoderMLM` holding a Hugging Face BERT directory's weights (`config.json`,
+  `model.safetensors`); `overrides` change `TransformerConfig` fields (e.g. dropout_rate)."""
+  import safetensors.numpy  # pylint: disable=g-import-not-at-top  (a [dev] dependency)
+  model_dir = pathlib.Path(model_dir)
+  cfg = bert_config(json.loads((model_dir / 'config.json').read_text()), **overrides)
+  model = EncoderMLM(cfg, rngs=nnx.Rngs(0))
+  load_bert_weights(model, safetensors.numpy.load_file(str(model_dir / 'model.safetensors')))
+  return model

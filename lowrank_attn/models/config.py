@@ -80,10 +80,12 @@ class TransformerConfig:
       if not isinstance(template, AttentionSpec):
         raise ValueError(f'{field} must be an AttentionSpec, got {type(template).__name__}.')
       num_layers = self.num_layers(attention_type)
-      if isinstance(template.num_heads, tuple) and len(template.num_heads) != num_layers:
-        raise ValueError(
-            f'{field}.num_heads={template.num_heads} gives {len(template.num_heads)} layers, '
-            f'the model has {num_layers}; give one head count per layer, or an int.')
+      for name in ('num_heads', 'num_logit_heads'):
+        counts = getattr(template, name)
+        if isinstance(counts, tuple) and len(counts) != num_layers:
+          raise ValueError(
+              f'{field}.{name}={counts} gives {len(counts)} layers, the model has '
+              f'{num_layers}; give one head count per layer, or an int.')
       for layer in range(num_layers):
         try:
           self.attention(attention_type, layer)

@@ -9,8 +9,6 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,11 +19,23 @@ from flax.nnx.nn.linear import default_kernel_init
 from lowrank_attn import attention
 from lowrank_attn import sharding
 from lowrank_attn.attention import AttentionSpec
-from lowrank_attn.attention.convert import concat_to_collaborative, concatenate_mixing
+from lowrank_attn.attention.convert import CP_OPTIONS, concat_to_collaborative, concatenate_mixing
 from lowrank_attn.attention.spec import MIXING_INITS
 
 Array = jax.Array
 _EMPTY = MappingProxyType({})
+# The size arguments a layer shares with flax's (and its AttentionSpec).
+_SPEC_SIZES = ('num_heads', 'in_features', 'qkv_features', 'out_features', 'num_kv_heads',
+               'in_kv_features')
+
+
+def _gate_init(log_alpha_init: float | str, num_heads: int):
+  """Initializer of the gates' log-alpha (see `AttentionSpec.gate_log_alpha_init`)."""
+  if log_alpha_init == 'glorot':
+    # TF's glorot_uniform over Voita et al.'s gate shape [1, h, 1, 1]: fan_in = fan_out = h.
+    limit = (3.0 / max(num_heads, 1)) ** 0.5
+    return lambda rng, shape, dtype: jax.random.uniform(rng, shape, dtype, -limit, limit)
+  return initializers.constant(log_alpha_init)
 
 
 def _init_mixing(kind: str, rng, num_heads: int, key_dim: int, dtype) -> Array:
@@ -129,6 +139,8 @@ class MultiHeadAttention(nnx.Module):
     def param(name, init, metadata=_EMPTY, flat_shape=None):
       """Initialise `name` like flax's LinearGeneral: from a 2-D (kernels) or 1-D (biases)
       shape, so fan-in/fan-out match the equivalent dense layer, then reshape."""
+      if name not in shapes:  # a layer pruned to 0 heads has only its output bias
+        return
       shape = shapes[name]
       value = init(rngs.params(), flat_shape or (int(np.prod(shape)),), param_dtype)
       if isinstance(value, nnx.VariableMetadata):  # user's nnx.with_partitioning wins
@@ -139,6 +151,8 @@ class MultiHeadAttention(nnx.Module):
         setattr(self, name, nnx.Param(jnp.reshape(value, shape), **metadata))
 
     def dense(prefix, in_width, kernel_meta=kernel_metadata, bias_meta=bias_metadata):
+      if f'{prefix}_kernel' not in shapes:
+        return
       kernel_shape = shapes[f'{prefix}_kernel']
       param(f'{prefix}_kernel', kernel_init, kernel_meta,
             (in_width, int(np.prod(kernel_shape[1:]))))
@@ -166,11 +180,11 @@ class MultiHeadAttention(nnx.Module):
     if use_bias:
       param('out_bias', out_bias_init, out_bias_metadata or bias_metadata)
     if spec.kind == 'talking_heads':
-      identity = lambda rng, shape, dtype: jnp.eye(num_heads, dtype=dtype)
-      param('pre_softmax_mixing', identity)
-      param('post_softmax_mixing', identity)
+      identity = lambda name: lambda rng, shape, dtype: jnp.eye(*shapes[name], dtype=dtype)
+      param('pre_softmax_mixing', identity('pre_softmax_mixing'))
+      param('post_softmax_mixing', identity('post_softmax_mixing'))
     if spec.gated:
-      param('gate_log_alpha', initializers.constant(spec.gate_log_alpha_init))
+      param('gate_log_alpha', _gate_init(spec.gate_log_alpha_init, num_heads))
 
     stochastic = dropout_rate > 0.0 or spec.gated
     self.rngs = rngs.dropout.fork() if keep_rngs and stochastic else None
@@ -187,19 +201,19 @@ class MultiHeadAttention(nnx.Module):
 
   def l0_penalty(self) -> Array:
     """Expected number of open gates, sum_i P(g_i != 0) (Louizos et al. eq. 12); 0 if ungated."""
-    if not self.spec.gated:
+    if not self.spec.gated or self.num_heads == 0:
       return jnp.zeros((), jnp.float32)
     return self.spec.gate.expected_l0(self.gate_log_alpha[...])
 
   def gate_values(self) -> Array:
     """Evaluation-time gate of every head, in [0, 1] (ones if ungated)."""
-    if not self.spec.gated:
+    if not self.spec.gated or self.num_heads == 0:
       return jnp.ones((self.num_heads,), jnp.float32)
     return self.spec.gate.deterministic(self.gate_log_alpha[...])
 
   def pruning_mask(self) -> Array:
     """Boolean `[heads]`: the heads a gated layer keeps (evaluation gate > 0)."""
-    if not self.spec.gated:
+    if not self.spec.gated or self.num_heads == 0:
       return jnp.ones((self.num_heads,), bool)
     return self.spec.gate.binary_mask(self.gate_log_alpha[...])
 
@@ -321,45 +335,40 @@ class MultiHeadAttention(nnx.Module):
     """The layer `spec` describes; `layer_args`: flax's non-spec arguments (dtype, decode, ...)."""
     if spec.is_template:
       raise ValueError(f'{spec} is a template: resolve(in_features, layer=...) it first.')
-    sizes = ('num_heads', 'in_features', 'qkv_features', 'out_features', 'num_kv_heads',
-             'in_kv_features')
     options = {name: getattr(spec, name) for name in spec.__dataclass_fields__
-               if name not in sizes and name != 'head_dim'}
-    # head_dim given only where the spec needs it, so qkv_features and head_dim agree.
-    if spec.kind == 'fixed_head':
-      options['head_dim'] = spec.head_dim
-    return cls(spec.num_heads, spec.in_features, spec.qkv_features, spec.out_features,
-               spec.num_kv_heads, spec.in_kv_features, rngs=rngs, **options, **layer_args)
+               if name not in _SPEC_SIZES}
+    # Sized by head_dim; qkv_features = num_heads * head_dim and (without grouped keys)
+    # num_kv_heads = num_heads follow, also for a layer pruned to 0 heads.
+    num_kv_heads = None if spec.num_kv_heads == spec.num_heads else spec.num_kv_heads
+    return cls(spec.num_heads, spec.in_features, None, spec.out_features, num_kv_heads,
+               spec.in_kv_features, rngs=rngs, **options, **layer_args)
 
   @classmethod
   def from_flax(cls, module: nnx.MultiHeadAttention, *, kind: str = 'concat',
-                key_dim: int | None = None, **options) -> 'MultiHeadAttention':
+                key_dim: int | None = None, rescale_logits: bool = False,
+                **options) -> 'MultiHeadAttention':
     """Our layer computing what an existing `flax.nnx.MultiHeadAttention` computes.
 
     kind='concat', 'fixed_head' and 'talking_heads' (identity mixing) copy the weights.
-    kind='collaborative' at full key width (key_dim = num_heads * head_dim) stacks the
-    per-head query/key projections into the shared ones with block one-hot mixing, and turns
-    the query bias into the key-content bias c_i = W_K^(i) b_Q^(i); the key bias only adds
-    per-query constants to the logits, which the softmax cancels (Cordonnier et al. sec. 3.1).
-    The logit scale stays 1/sqrt(head_dim) of the original. Reduced key widths need the
-    tensor decomposition of the re-parametrization step and are refused here.
-    `options` (e.g. gated=True) are passed to the constructor.
+    kind='collaborative' re-parametrizes the query/key projections by
+    `lowrank_attn.attention.concat_to_collaborative`: exactly at full key width (key_dim None
+    or num_heads * head_dim: stacked per-head projections, block one-hot mixing), by the CP
+    decomposition of the per-head W_Q^(i) W_K^(i)T below it (Cordonnier et al. 2020). At
+    any width the query bias becomes the exact key-content bias c_i = W_K^(i) b_Q^(i) and the
+    key bias is dropped (the softmax cancels it); the logit scale stays the original
+    1/sqrt(head_dim) unless `rescale_logits=True` (the paper's code: 1/sqrt(key_dim / heads)).
+
+    `options`: the CP options (`num_iterations`, `tol`, `num_starts`, `check_every`, `seed`
+    of `lowrank_attn.reparam.collaborative_factors`) go to the decomposition; the others (e.g.
+    gated=True) to the constructor.
     """
     if not isinstance(module, nnx.MultiHeadAttention):
       raise ValueError(f'module must be a flax.nnx.MultiHeadAttention, got {type(module)}.')
+    cp_options = {name: options.pop(name) for name in CP_OPTIONS if name in options}
+    if kind != 'collaborative' and (key_dim is not None or rescale_logits or cp_options):
+      raise ValueError(f'key_dim, rescale_logits and the CP options {CP_OPTIONS} are only used '
+                       f"by kind='collaborative' (got kind={kind!r}).")
     h, d = module.num_heads, module.head_dim
-    if kind == 'collaborative':
-      if key_dim not in (None, h * d):
-        raise NotImplementedError(
-            f'key_dim={key_dim} < num_heads * head_dim = {h * d} cannot be converted exactly; '
-            'reduced-width conversion needs the CP decomposition of the re-parametrization '
-            f'step. Use key_dim=None (= {h * d}) here.')
-      if module.num_kv_heads != h or module.normalize_qk:
-        raise ValueError("kind='collaborative' conversion needs num_kv_heads == num_heads and "
-                         'normalize_qk=False.')
-      options.setdefault('logit_scale', d ** -0.5)
-    elif key_dim is not None:
-      raise ValueError(f"key_dim={key_dim} is only used by kind='collaborative'.")
     settings = dict(
         num_heads=h, in_features=module.in_features, qkv_features=module.qkv_features,
         out_features=module.out_features, num_kv_heads=module.num_kv_heads,
@@ -369,25 +378,58 @@ class MultiHeadAttention(nnx.Module):
         dropout_rate=module.dropout_rate, deterministic=module.deterministic,
         precision=module.precision, use_bias=module.use_bias, decode=module.decode,
         normalize_qk=module.normalize_qk)
-    layer = cls(**{**settings, **options}, rngs=nnx.Rngs(0))  # parameters overwritten below
-    if module.rngs is not None and layer.rngs is not None:
-      layer.rngs = nnx.clone(module.rngs)  # same dropout stream as the original
 
-    # Flax's parameters under our names, then (collaborative) re-parametrized exactly.
+    # Flax's parameters under our names, then (collaborative) re-parametrized.
     weights = {}
-    for ours, theirs in (('query', 'query'), ('key', 'key'), ('value', 'value'), ('out', 'out')):
-      weights[f'{ours}_kernel'] = getattr(module, theirs).kernel[...]
+    for name in ('query', 'key', 'value', 'out'):
+      weights[f'{name}_kernel'] = getattr(module, name).kernel[...]
       if module.use_bias:
-        weights[f'{ours}_bias'] = getattr(module, theirs).bias[...]
+        weights[f'{name}_bias'] = getattr(module, name).bias[...]
     if module.normalize_qk:
       weights['query_ln_scale'] = module.query_ln.scale[...]
       weights['key_ln_scale'] = module.key_ln.scale[...]
     if kind == 'collaborative':
-      concat_spec = dataclasses.replace(layer.spec, kind='concat', key_dim=None)
-      weights, _ = concat_to_collaborative(weights, concat_spec)
-    for name, value in weights.items():
-      getattr(layer, name)[...] = value
+      concat_spec = AttentionSpec(**{k: v for k, v in settings.items() if k in _SPEC_SIZES},
+                                  use_bias=module.use_bias, normalize_qk=module.normalize_qk)
+      weights, spec = concat_to_collaborative(weights, concat_spec, key_dim,
+                                              rescale_logits=rescale_logits, **cp_options)
+      settings.update(key_dim=spec.key_dim, logit_scale=spec.logit_scale)
+    layer = cls(**{**settings, **options}, rngs=nnx.Rngs(0))  # parameters overwritten below
+    if module.rngs is not None and layer.rngs is not None:
+      layer.rngs = nnx.clone(module.rngs)  # same dropout stream as the original
+    layer._set_params(weights)
     return layer
+
+  def to_collaborative(self, key_dim: int | None = None, *, rescale_logits: bool = False,
+                       return_error: bool = False, **cp_options):
+    """This concat or fixed_head layer re-parametrized as a collaborative one (a new layer).
+
+    As `from_flax(..., kind='collaborative')`, for one of our layers (a loaded BERT is made
+    of them): exact at full key width, CP decomposition below it (`cp_options`: those of
+    `lowrank_attn.reparam.collaborative_factors`). Values, output, gates and the layer's
+    settings (dtype, dropout, ...) are kept. With `return_error=True` returns
+    `(layer, relative_error)`, the error |T - T^|_F / |T|_F of the per-head bilinear forms.
+    """
+    params, spec, error = concat_to_collaborative(
+        self.kernel_params(), self.spec, key_dim, rescale_logits=rescale_logits,
+        return_error=True, **cp_options)
+    layer = type(self).from_spec(
+        spec, rngs=nnx.Rngs(0), dtype=self.dtype, param_dtype=self.param_dtype,
+        broadcast_dropout=self.broadcast_dropout, deterministic=self.deterministic,
+        precision=self.precision, decode=self.decode, keep_rngs=self.rngs is not None)
+    if self.rngs is not None:
+      layer.rngs = nnx.clone(self.rngs)
+    layer._set_params(params)
+    return (layer, error) if return_error else layer
+
+  def _set_params(self, params: Mapping[str, Array]) -> None:
+    """Overwrites parameters by name; a name the layer lacks or a wrong shape is a ValueError."""
+    shapes = self.spec.param_shapes()
+    for name, value in params.items():
+      if name not in shapes or tuple(value.shape) != shapes[name]:
+        raise ValueError(f'parameter {name} {tuple(value.shape)} does not fit this layer '
+                         f'({self.spec.kind}): its parameters are {shapes}.')
+      getattr(self, name)[...] = jnp.asarray(value, self.param_dtype)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,

@@ -116,6 +116,19 @@ def load_state(workdir: str, step: int | None = None) -> tuple[int, Any]:
   return step, _int_keys(jax.tree.map(np.asarray, restored['state']))
 
 
+def restore_params(workdir: str, step: int, abstract_params: Any) -> Any:
+  """Only the parameters of a run's checkpoint (no optimizer state is read), laid out as
+  `abstract_params`' shardings (ShapeDtypeStructs with shardings: any mesh)."""
+  directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+  target = {'params': abstract_params}
+  with ocp.CheckpointManager(directory, item_names=('state',),
+                             options=ocp.CheckpointManagerOptions(create=False)) as manager:
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True)))
+  return restored['state']['params']
+
+
 def _int_keys(tree):
   """Orbax stores dict keys as strings; layer indices come back as the ints NNX uses."""
   if isinstance(tree, dict):

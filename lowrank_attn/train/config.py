@@ -17,6 +17,9 @@ set. So
     --config.model.encoder_attention.num_heads='(8,8,4)'      per-layer head counts
 """
 
+from collections.abc import Mapping
+import importlib.util
+import os
 import re
 from typing import Any
 
@@ -121,7 +124,7 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   c.peak_flops_per_device = config_dict.placeholder(float)  # for MFU; None: measure matmuls
 
   # ---- Data: the fields of `lowrank_attn.data.DataConfig` (documented there).
-  c.data = data_lib.default_data_config(task=task, packing=task != 'nmt')
+  c.data = data_lib.default_data_config(task=task)
 
   # ---- Model: the fields of `lowrank_attn.models.TransformerConfig` and, per attention type,
   # of `lowrank_attn.attention.AttentionSpec` (documented there; see the module docstring).
@@ -136,6 +139,18 @@ def base_config(task: str) -> ml_collections.ConfigDict:
 
   c.lock()
   return c
+
+
+def load(spec: str) -> ml_collections.ConfigDict:
+  """The config of `'configs/nmt.py:multi30k'` (file, optional variant), as `--config=` loads it."""
+  path, _, variant = spec.partition(':')
+  if not os.path.isfile(path):
+    raise ValueError(f'config file {path!r} (from {spec!r}) does not exist.')
+  module_spec = importlib.util.spec_from_file_location(
+      'lowrank_attn_config_' + os.path.basename(path).removesuffix('.py'), path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(variant) if variant else module.get_config()
 
 
 # ---------------------------------------------------------------------------- validation
@@ -246,7 +261,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _fail('logical_axis_rules', c.logical_axis_rules,
           f'no rule for logical axes {missing} (add e.g. ({missing[0]!r}, None))')
 
-  _check_int(c, 'data.max_length', 2)
+  data_lib.as_data_config(c.data)  # every data field: 'config.data: max_length=1 must be ...'
   model = model_config(c, vocab_size=1)  # every field and every layer's attention
   if model.positions == 'learned' and c.data.max_length > model.max_length:
     _fail('model.max_length', model.max_length,
@@ -292,3 +307,31 @@ def shrink(config: ml_collections.ConfigDict, *, emb_dim: int = 128, num_layers:
 def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """JSON-ready nested dict (tuples become lists)."""
   return config.to_dict()
+
+
+def from_dict(values: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """The config a run recorded (`to_dict`, its `config.json`), on this schema.
+
+  Fields the run did not record (added to the schema since) keep their defaults; a field the
+  schema does not have is a ValueError naming it. JSON lists come back as tuples.
+  """
+  if values.get('task') not in tasks.TASKS:
+    raise ValueError(f"config task={values.get('task')!r} is not one of {tuple(tasks.TASKS)}.")
+  config = base_config(values['task'])
+
+  def update(node, given, path):
+    for name, value in given.items():
+      if name not in node:
+        raise ValueError(f'config.{path}{name} is not a field of this schema (a run written by '
+                         'another version of lowrank_attn?).')
+      if isinstance(node[name], ml_collections.ConfigDict):
+        update(node[name], value, f'{path}{name}.')
+      else:
+        node[name] = _tuples(value)
+
+  update(config, values, '')
+  return config
+
+
+def _tuples(value):
+  return tuple(_tuples(v) for v in value) if isinstance(value, list) else value

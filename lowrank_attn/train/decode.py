@@ -5,12 +5,20 @@ self-attention layer appending its keys/values to its cache. The cache is carrie
 `lax.while_loop` as an `nnx.State` (split from the model, merged back each step), so the whole
 search is one jitted function.
 
+`Translator` translates raw text with it, batched and sorted by length (used by the end of
+training's evaluation and by `python -m lowrank_attn.translate`, so both give the same
+translations); `score` is sacreBLEU's BLEU and chrF of them.
+
 Beam search keeps, per sentence, `beam_size` live hypotheses and the `beam_size` best finished
 ones, scored `log p / ((5 + length) / 6) ** alpha` (Wu et al. 2016, eq. 14); it stops when no
 live hypothesis can beat the best finished one.
 """
 
+from collections.abc import Callable, Sequence
+import dataclasses
 import functools
+import math
+import time
 
 from flax import nnx
 import jax
@@ -18,6 +26,8 @@ from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 import sacrebleu
+
+from lowrank_attn import sharding
 
 _NEG = -1.0e9
 
@@ -37,10 +47,8 @@ def _gather_beams(tree, index, batch_size: int, beam_size: int):
   return jax.tree.map(gather, tree)
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'bos_id', 'eos_id', 'max_length',
-                                             'beam_size', 'length_penalty'))
-def translate(graphdef, params, inputs: jax.Array, *, bos_id: int, eos_id: int,
-              max_length: int, beam_size: int = 1, length_penalty: float = 0.6) -> jax.Array:
+def _search(graphdef, params, inputs: jax.Array, *, bos_id: int, eos_id: int,
+            max_length: int, beam_size: int = 1, length_penalty: float = 0.6) -> jax.Array:
   """Translations `[batch, max_length]` of source tokens `[batch, source_length]`.
 
   Tokens after the first EOS are 0. `beam_size=1` is greedy decoding.
@@ -66,6 +74,11 @@ def translate(graphdef, params, inputs: jax.Array, *, bos_id: int, eos_id: int,
   if k == 1:
     return _greedy(step, cache, batch_size, bos_id, eos_id, max_length)
   return _beam_search(step, cache, batch_size, k, bos_id, eos_id, max_length, length_penalty)
+
+
+translate = jax.jit(_search, static_argnames=('graphdef', 'bos_id', 'eos_id', 'max_length',
+                                          'beam_size', 'length_penalty'))
+translate.__doc__ = _search.__doc__
 
 
 def _greedy(step, cache, batch_size, bos_id, eos_id, max_length):
@@ -166,3 +179,185 @@ def bleu(s, params, pipeline, tokenizer, decode_config) -> dict[str, float]:
   name = 'bleu' if decode_config.beam_size > 1 else 'bleu_greedy'
   return {name: sacrebleu.corpus_bleu(hypotheses, [references]).score,
           'decoded_examples': float(len(hypotheses))}
+
+
+# ------------------------------------------------------------------------ raw text in, text out
+
+def default_length_bucket(source_max_length: int) -> int:
+  """Source lengths are padded up to a multiple of this (capped at `source_max_length`): about
+  a third of the longest source, rounded up to 8, so that at most 3-4 shapes compile.
+
+  Each distinct [batch, length] shape compiles the search once (2-3 CPU-seconds for the
+  Multi30k model, about one batch of 64 sentences at beam 4), while padding costs less:
+  on Multi30k's test set (sources of 6-41 tokens, data.max_length 64) buckets of 24 took 53
+  CPU-s in all (2 shapes), of 16 56 s (3 shapes), one shape of 48 tokens 68 s.
+  """
+  return -(-source_max_length // 24) * 8
+
+
+@dataclasses.dataclass
+class Timing:
+  """Where a `Translator`'s time went (seconds, summed over calls)."""
+
+  total_secs: float = 0.0  # the whole of `Translator.translate`
+  search_secs: float = 0.0  # running the compiled search, until its output was ready
+  compile_secs: float = 0.0  # compiling the search, once per [batch, source length] shape
+  # The same in CPU time of this process (all threads): on a machine shared with other jobs,
+  # the wall-clock shares also measure the scheduler; these do not.
+  total_cpu_secs: float = 0.0
+  search_cpu_secs: float = 0.0
+  compile_cpu_secs: float = 0.0
+  compiles: int = 0
+  batches: int = 0
+  sentences: int = 0
+
+  @property
+  def outside_share(self) -> float:
+    """Share of the wall time not spent in the jitted search (compilation included)."""
+    return 1.0 - self.search_secs / self.total_secs if self.total_secs > 0 else 0.0
+
+  @property
+  def outside_cpu_share(self) -> float:
+    """The same share in CPU time."""
+    return 1.0 - self.search_cpu_secs / self.total_cpu_secs if self.total_cpu_secs > 0 else 0.0
+
+  def describe(self) -> str:
+    rate = self.sentences / self.total_secs if self.total_secs > 0 else 0.0
+    host = self.total_secs - self.search_secs - self.compile_secs
+    host_cpu = self.total_cpu_secs - self.search_cpu_secs - self.compile_cpu_secs
+    return (f'{self.sentences} sentences in {self.total_secs:.1f} s: {rate:.1f} sentences/s; '
+            f'jitted search {self.search_secs:.1f} s ({100 * (1 - self.outside_share):.1f}%), '
+            f'outside it {100 * self.outside_share:.1f}%: compilation {self.compile_secs:.1f} s '
+            f'({self.compiles} shapes), host {host:.1f} s (tokenize, batch, detokenize), '
+            f'{self.batches} batches. CPU time {self.total_cpu_secs:.1f} s: search '
+            f'{self.search_cpu_secs:.1f} s, outside it {100 * self.outside_cpu_share:.1f}% '
+            f'(compilation {self.compile_cpu_secs:.1f} s, host {host_cpu:.1f} s)')
+
+
+@dataclasses.dataclass
+class Translations:
+  texts: list[str]  # one per input, in input order; '' for an empty input
+  truncated: list[int]  # indices of the inputs cut to the longest source the model takes
+
+
+def round_batch_size(s, batch_size: int) -> int:
+  """`batch_size` rounded up to a multiple of the devices (and processes) the batch is split
+  over, so that every device gets whole rows."""
+  axes = sharding.batch_spec(s.rules, 1)[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  shards = math.lcm(math.prod(s.mesh.shape[a] for a in axes), jax.process_count())
+  return -(-max(batch_size, 1) // shards) * shards
+
+
+def default_batch_size(config) -> int:
+  """Sentences per search call: the evaluation batch of the run (rows per device x devices)."""
+  return config.per_device_batch_size * jax.device_count()
+
+
+class Translator:
+  """Raw sentences -> translated sentences with one model, on the setup's mesh.
+
+  Sentences are encoded as the evaluation pipeline encodes sources (ids, then EOS, cut to
+  `source_max_length` tokens), sorted by length (so a batch's search ends when its sentences
+  do, and little is padding), batched by `batch_size` (rounded up to fill every device) and
+  padded to a multiple of `default_length_bucket(source_max_length)` tokens, and put back in
+  input order. Empty sentences are not searched: they translate to ''. The order in which the
+  sentences are given does not change any translation (batches are formed from the sorted
+  set). Every process must pass the same sentences; each gets all translations.
+  """
+
+  def __init__(self, s, params, tokenizer, *, beam_size: int, length_penalty: float,
+               max_length: int, batch_size: int, source_max_length: int,
+               length_bucket: int | None = None):
+    self.s, self.params, self.tokenizer = s, params, tokenizer
+    self.beam_size, self.length_penalty, self.max_length = beam_size, length_penalty, max_length
+    self.batch_size = round_batch_size(s, batch_size)
+    self.source_max_length = source_max_length
+    self.length_bucket = length_bucket or default_length_bucket(source_max_length)
+    self.timing = Timing()
+    self._compiled = {}  # (batch, source length) -> compiled search
+    self._sharding = sharding.batch_shardings({'inputs': (1, 1)}, s.mesh, s.rules)['inputs']
+    self._search = jax.jit(functools.partial(
+        _search, s.graphdef, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+        max_length=max_length, beam_size=beam_size, length_penalty=length_penalty))
+
+  def encode(self, text: str) -> tuple[list[int], bool]:
+    """(source ids with EOS, whether they were cut); [] for an empty text."""
+    if not text:
+      return [], False
+    ids = self.tokenizer.encode(text)
+    cut = len(ids) > self.source_max_length - 1
+    return [*ids[:self.source_max_length - 1], self.tokenizer.eos_id], cut
+
+  def _compiled_search(self, shape: tuple[int, int]):
+    if shape not in self._compiled:
+      start, cpu = time.perf_counter(), time.process_time()
+      inputs = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._sharding)
+      with self.s.activate():
+        self._compiled[shape] = self._search.lower(self.params, inputs).compile()
+      self.timing.compile_secs += time.perf_counter() - start
+      self.timing.compile_cpu_secs += time.process_time() - cpu
+      self.timing.compiles += 1
+    return self._compiled[shape]
+
+  def translate(self, texts: Sequence[str],
+                progress: Callable[[int, int], None] | None = None) -> Translations:
+    """Translations of `texts`; `progress(done, total)` after each batch."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    encoded = [self.encode(t) for t in texts]
+    truncated = [i for i, (_, cut) in enumerate(encoded) if cut]
+    # Sorted by (length, ids): the batches depend on the set of sentences, not their order.
+    order = sorted((i for i, (ids, _) in enumerate(encoded) if ids),
+                   key=lambda i: (len(encoded[i][0]), encoded[i][0]))
+    out = [''] * len(texts)
+    done = len(texts) - len(order)
+    # Fewer sentences than a batch: one smaller batch (a short file need not pay for a full one).
+    batch_size = min(self.batch_size, round_batch_size(self.s, len(order)))
+    for first in range(0, len(order), batch_size):
+      rows = order[first:first + batch_size]
+      longest = max(len(encoded[i][0]) for i in rows)
+      bucket = self.length_bucket
+      length = min(-(-longest // bucket) * bucket, self.source_max_length)
+      inputs = np.zeros((batch_size, max(length, longest)), np.int32)
+      for row, i in enumerate(rows):
+        ids = encoded[i][0]
+        inputs[row, :len(ids)] = ids
+      search = self._compiled_search(inputs.shape)
+      tic, tic_cpu = time.perf_counter(), time.process_time()
+      global_inputs = jax.make_array_from_callback(inputs.shape, self._sharding,
+                                                   lambda index, x=inputs: x[index])
+      with self.s.activate():
+        result = search(self.params, global_inputs)
+      result.block_until_ready()
+      self.timing.search_secs += time.perf_counter() - tic
+      self.timing.search_cpu_secs += time.process_time() - tic_cpu
+      result = np.asarray(multihost_utils.process_allgather(result, tiled=True))
+      for row, i in enumerate(rows):
+        text = self.tokenizer.decode(strip(result[row], self.tokenizer.eos_id))
+        out[i] = text.replace('\r', ' ').replace('\n', ' ')  # one line per translation
+      done += len(rows)
+      self.timing.batches += 1
+      if progress is not None:
+        progress(done, len(texts))
+    self.timing.sentences += len(texts)
+    self.timing.total_secs += time.perf_counter() - start
+    self.timing.total_cpu_secs += time.process_time() - start_cpu
+    return Translations(out, truncated)
+
+
+def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float | str]:
+  """sacreBLEU corpus BLEU (cased, 13a tokenization of detokenized text) and chrF.
+
+  Returns 'bleu', 'chrf', 'sentences' and, as strings, 'bleu_signature', 'chrf_signature'
+  and 'bleu_summary' (sacrebleu's line: n-gram precisions, brevity penalty, lengths).
+  """
+  if len(hypotheses) != len(references):
+    raise ValueError(f'{len(hypotheses)} translations but {len(references)} references.')
+  bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+  bleu_score = bleu.corpus_score(list(hypotheses), [list(references)])
+  chrf_score = chrf.corpus_score(list(hypotheses), [list(references)])
+  return {'bleu': bleu_score.score, 'chrf': chrf_score.score,
+          'sentences': float(len(hypotheses)),
+          'bleu_signature': str(bleu.get_signature()),
+          'chrf_signature': str(chrf.get_signature()),
+          'bleu_summary': bleu_score.format(width=2)}

@@ -235,6 +235,12 @@ class Progress:
             'flops_per_sec': flops_per_sec,
             'mfu': flops_per_sec / self.peak_flops}
 
+  @property
+  def train_secs(self) -> float:
+    """Seconds of timed training steps so far in this process (the x-axis of learning curves)."""
+    return self._timed_secs + (time.perf_counter() - self._start if self._start is not None
+                               else 0.0)
+
   def due(self, step: int) -> bool:
     """Whether a progress line is due (`every_secs` since the last one); redraws the bar."""
     if self.interactive:

@@ -9,12 +9,14 @@ checkpoint after it is written (metrics are checked before every save).
 """
 
 import dataclasses
+import json
 import math
 import os
 from typing import Any
 
 from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -23,6 +25,7 @@ from lowrank_attn import data as data_lib
 from lowrank_attn import sharding
 from lowrank_attn.train import checkpoints, config as config_lib, metrics as metrics_lib
 from lowrank_attn.train import state as state_lib
+from lowrank_attn.train import tasks as tasks_lib
 
 PyTree = Any
 
@@ -136,7 +139,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Trains (resuming from `<workdir>/checkpoints` if present) and evaluates.
 
   Returns `{'step', 'train': last train metrics, 'eval': last eval metrics, 'throughput':
-  steps/s, tokens/s and MFU of the timed steps, 'vocab_size'}`.
+  steps/s, tokens/s and MFU of the timed steps, 'vocab_size', 'final': {split name: metrics}}`.
+  'final' is the evaluation at num_train_steps (`_evaluate_final`): for translation, the
+  validation and test splits and every `data.extra_test_files` entry (each under its name,
+  also in metrics.jsonl as that split); for lm/mlm, the extra test files only.
   Raises `NonFiniteError` on a NaN/inf loss or gradient norm, `Preempted` after SIGTERM.
   """
   config_lib.validate(config)
@@ -151,6 +157,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       workdir=workdir, process_index=jax.process_index(), process_count=jax.process_count())
   train_data = pipeline('train', True, batch_size * config.grad_accum_steps)
   eval_data = pipeline(config.eval_split, False, batch_size)
+  # Built now, so that a missing split or a bad extra_test_files path fails before training.
+  final_data = {
+      name: eval_data if split == config.eval_split else pipeline(split, False, batch_size)
+      for name, split in _final_splits(config).items()}
   tokenizer = train_data.tokenizer
   s = state_lib.setup(config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
   metrics_lib.say(f'mesh {dict(s.mesh.shape)} on {jax.device_count()} '
@@ -167,8 +177,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   try:
     state, start_step = _start(s, checkpointer, train_data, writer)
     evaluate_all = lambda params: _evaluate_all(s, params, eval_step, eval_data, tokenizer)
-    return _train_loop(s, state, start_step, train_step, evaluate_all, train_data,
-                       checkpointer, writer, preemption)
+    result, state = _train_loop(s, state, start_step, train_step, evaluate_all, train_data,
+                                checkpointer, writer, preemption)
+    result['final'] = {}
+    if result['step'] == config.num_train_steps and final_data:
+      recorded = _recorded_final(workdir, result['step'], list(final_data))
+      if recorded is None:  # not yet (also: a run killed during its final evaluation)
+        recorded = _evaluate_final(s, state['params'], eval_step, final_data, tokenizer,
+                                   workdir, result['step'], writer)
+      result['final'] = recorded
+    return result
   finally:
     preemption.close()
     checkpointer.close()  # waits for an in-flight save: the last good checkpoint is complete
@@ -242,7 +260,8 @@ def _train_loop(s, state, start_step, train_step, evaluate_all, train_data, chec
     if rates:  # real (non-padding) tokens, from the steps' own counts
       rates['tokens_per_sec'] = last_train['tokens'] * rates['steps_per_sec'] / len(host)
     if due.log:
-      writer.write_scalars(done, 'train', {**last_train, **rates})
+      writer.write_scalars(done, 'train',
+                           {**last_train, **rates, 'train_secs': progress.train_secs})
     if due.show:
       progress.show(done, host[-1][1]['loss'], rates)
     if due.save:
@@ -261,7 +280,7 @@ def _train_loop(s, state, start_step, train_step, evaluate_all, train_data, chec
     metrics_lib.say(f'done: {total["steps_per_sec"]:.2f} steps/s, MFU {100 * total["mfu"]:.1f}% '
                     '(evaluation and checkpointing excluded)')
   return {'step': int(jax.device_get(state['step'])), 'train': last_train, 'eval': last_eval,
-          'throughput': total, 'vocab_size': s.model_cfg.vocab_size}
+          'throughput': total, 'vocab_size': s.model_cfg.vocab_size}, state
 
 
 def _evaluate_all(s, params, eval_step, pipeline, tokenizer) -> dict[str, float]:
@@ -273,3 +292,105 @@ def _evaluate_all(s, params, eval_step, pipeline, tokenizer) -> dict[str, float]
     pipeline.reset()
     results.update(decode.bleu(s, params, pipeline, tokenizer, config.decode))
   return results
+
+
+# ------------------------------------------------------------------ evaluation at the end
+
+FINAL_EVAL_DIR = 'final_eval'  # <workdir>/final_eval/<step>/{metrics.json, <name>.txt}
+
+
+def _final_splits(config) -> dict[str, str]:
+  """Name -> split evaluated at num_train_steps: validation and test for translation, and
+  every extra_test_files entry (`DataConfig.extra_test_splits`)."""
+  translates = tasks_lib.get(config.task).translates
+  splits = {'validation': 'validation', 'test': 'test'} if translates else {}
+  extra = data_lib.as_data_config(config.data).extra_test_splits()
+  clash = sorted(set(splits) & set(extra))
+  if clash:
+    raise ValueError(f'config.data.extra_test_files={config.data.extra_test_files!r}: '
+                     f'{clash} would be reported under the name of a split of the data set; '
+                     'rename the file.')
+  return {**splits, **extra}
+
+
+def _recorded_final(workdir: str, step: int, names: list[str]) -> dict[str, dict] | None:
+  """The final evaluation of `step` as it was saved, if it covered every split of `names` (a
+  finished run started again), else None (also after a kill during the final evaluation).
+  Process 0 decides, the others follow (and return {})."""
+  found = {}
+  if jax.process_index() == 0:
+    path = os.path.join(workdir, FINAL_EVAL_DIR, str(step), 'metrics.json')
+    if os.path.exists(path):
+      with open(path) as f:
+        found = json.load(f)
+  complete = set(names) <= set(found)
+  if jax.process_count() > 1:
+    complete = bool(multihost_utils.broadcast_one_to_all(np.array(complete)))
+  return {name: found.get(name, {}) for name in names} if complete else None
+
+
+def _evaluate_final(s, params, eval_step, pipelines, tokenizer, workdir: str, step: int,
+                    writer) -> dict[str, dict[str, Any]]:
+  """Every split of `pipelines` (name -> eval pipeline), whole: loss, perplexity, accuracy;
+  for translation also BLEU (sacreBLEU, cased, detokenized, beam of config.decode) against
+  the raw reference text, chrF and the number of sentences. Each is written to metrics.jsonl
+  as split=<name>; the translations go to `<workdir>/final_eval/<step>/<name>.txt`, and all
+  of it (signatures included) to `final_eval/<step>/metrics.json`.
+
+  The translations are `decode.Translator`'s, with the batch size `translate` uses by
+  default, so `python -m lowrank_attn.translate` reproduces them from the checkpoint.
+  """
+  config = s.config
+  translator = None
+  if s.task.translates:
+    from lowrank_attn.train import decode  # only translation needs it
+    translator = decode.Translator(
+        s, params, tokenizer, beam_size=config.decode.beam_size,
+        length_penalty=config.decode.length_penalty, max_length=config.decode.max_length,
+        batch_size=decode.default_batch_size(config), source_max_length=config.data.max_length)
+  results = {}
+  for name, pipeline in pipelines.items():
+    metrics = evaluate(s, params, eval_step, pipeline, -1)
+    strings = {}
+    if translator is not None:
+      source, target = config.data.source_lang, config.data.target_lang
+      examples = [pipeline.data_source[i] for i in range(len(pipeline.data_source))]
+      sources = [e[source].decode('utf-8') for e in examples]
+      references = [e[target].decode('utf-8') for e in examples]
+      translations = translator.translate(sources)
+      scores = decode.score(translations.texts, references)
+      bleu_key = 'bleu' if config.decode.beam_size > 1 else 'bleu_greedy'
+      metrics.update({bleu_key: scores['bleu'], 'chrf': scores['chrf'],
+                      'sentences': scores['sentences'],
+                      'beam_size': float(config.decode.beam_size),
+                      'truncated_sources': float(len(translations.truncated))})
+      strings = {k: scores[k] for k in ('bleu_signature', 'chrf_signature')}
+      _write_final(workdir, step, f'{name}.txt', ''.join(t + '\n' for t in translations.texts))
+      where = name if name == pipeline.split else f'{name} ({pipeline.split})'
+      metrics_lib.say(
+          f'{where}: {scores["bleu_summary"]}  {scores["bleu_signature"]}; '
+          f'chrF2 {scores["chrf"]:.2f} {scores["chrf_signature"]}; '
+          f'{len(references)} sentences, beam {config.decode.beam_size}'
+          + (f', {len(translations.truncated)} sources cut to data.max_length='
+             f'{config.data.max_length} tokens' if translations.truncated else ''))
+    writer.write_scalars(step, name, metrics)
+    metrics_lib.say(f'final {name} at step {step}: ' + '  '.join(
+        f'{k} {v:.4g}' for k, v in metrics.items()))
+    results[name] = {**metrics, **strings}
+  if translator is not None:
+    metrics_lib.say(f'final translation: {translator.timing.describe()}')
+  writer.flush()
+  _write_final(workdir, step, 'metrics.json', json.dumps(results, indent=2, sort_keys=True))
+  return results
+
+
+def _write_final(workdir: str, step: int, name: str, text: str) -> None:
+  """`<workdir>/final_eval/<step>/<name>` (process 0; written, then renamed)."""
+  if jax.process_index() != 0:
+    return
+  directory = os.path.join(workdir, FINAL_EVAL_DIR, str(step))
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, name)
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    f.write(text)
+  os.replace(path + '.tmp', path)

@@ -80,3 +80,21 @@ def test_shape_mismatch_is_reported(checkpoint):
   model = models.EncoderMLM(bert.bert_config(config, mlp_dim=1024), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match='intermediate.dense: checkpoint shape'):
     bert.load_bert_weights(model, tensors)
+
+
+def test_sentence_embeddings_are_mean_pooled_and_normalised(checkpoint):
+  """all-MiniLM-L6-v2 as the sentence encoder it is: its pooling config says mean over
+  tokens then L2 normalisation; checked against the numpy BERT, pooled in numpy."""
+  config, tensors = checkpoint
+  pooling = bert.sentence_pooling(minilm.get_model_path())
+  assert pooling == bert.Pooling(mode='mean', normalize=True)
+  model = models.EncoderMLM(bert.bert_config(config), rngs=nnx.Rngs(0))
+  bert.load_bert_weights(model, tensors)
+  ids = np.random.RandomState(1).randint(1000, config['vocab_size'], (3, 10)).astype(np.int32)
+  ids[:, 0], ids[1, 7:], ids[2, 4:] = 101, 0, 0  # [CLS], two padded rows
+  ours = jax.jit(lambda m, i: bert.sentence_embeddings(m, i, pooling))(model, ids)
+  valid = ids != 0
+  hidden = numpy_bert(tensors, config, ids, np.zeros_like(ids), valid)
+  mean = (hidden * valid[..., None]).sum(1) / valid.sum(1, keepdims=True)
+  expected = mean / np.linalg.norm(mean, axis=-1, keepdims=True)
+  np.testing.assert_allclose(np.asarray(ours), expected, atol=2e-5)

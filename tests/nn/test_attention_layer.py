@@ -110,9 +110,10 @@ def test_from_flax_gated_starts_with_open_gates():
   np.testing.assert_allclose(ours(inputs()), theirs(inputs()), atol=3e-6)
 
 
-def test_reduced_width_conversion_is_refused_not_silently_wrong():
-  with pytest.raises(NotImplementedError, match='key_dim=8'):
-    lnn.MultiHeadAttention.from_flax(flax_layer(), kind='collaborative', key_dim=8)
+def test_key_width_only_for_collaborative():
+  # Reduced widths (CP decomposition) are tested in tests/reparam/test_layers.py.
+  with pytest.raises(ValueError, match="only used by kind='collaborative'"):
+    lnn.MultiHeadAttention.from_flax(flax_layer(), kind='concat', key_dim=8)
 
 
 # ------------------------------------------------------------------ parameters

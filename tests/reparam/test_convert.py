@@ -10,7 +10,7 @@ from lowrank_attn import attention as A
 from lowrank_attn.attention.convert import concat_to_collaborative  # where callers import it
 from lowrank_attn.reparam import collaborative_factors, per_head_svd
 
-from .dense import D_K, D_Q, HEAD_DIM, HEADS, RANK, dense_tensor
+from .dense import D_K, D_Q, HEAD_DIM, HEADS, RANK, dense_tensor, reference
 
 
 def concat_spec(**options):
@@ -32,21 +32,6 @@ def inputs(seed=1):
 
 def run(params, spec, x, y):
   return np.asarray(A.multi_head_attention(params, x, y, spec=spec).out)
-
-
-def reference(forms, content_bias, params, scale, x, y):
-  """The layer in float64 numpy from per-head bilinear forms `[D_q, h, D_k]` and the content
-  bias `[D_k, h]`: logits_i = scale (x_q T_i x_k^T + 1 (x_k c_i)^T); values and output of
-  `params` (a concat layer's)."""
-  f64 = lambda a: np.asarray(a, np.float64)
-  x, y = f64(x), f64(y)
-  logits = np.einsum('bnq,qhk,bmk->bhnm', x, f64(forms), y)
-  logits = scale * (logits + np.einsum('bmk,kh->bhm', y, f64(content_bias))[:, :, None, :])
-  weights = np.exp(logits - logits.max(-1, keepdims=True))
-  weights /= weights.sum(-1, keepdims=True)
-  values = np.einsum('bmk,khd->bmhd', y, f64(params['value_kernel'])) + f64(params['value_bias'])
-  heads = np.einsum('bhnm,bmhd->bnhd', weights, values)
-  return np.einsum('bnhd,hde->bne', heads, f64(params['out_kernel'])) + f64(params['out_bias'])
 
 
 def exact_content_bias(params):

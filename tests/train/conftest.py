@@ -1,20 +1,17 @@
 """Helpers for the training tests: load config files, shrink them, share prepared data."""
 
-import importlib.util
 import pathlib
 
 import pytest
+
+from lowrank_attn.train import config as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def load_config(name: str, variant: str = 'base'):
   """`configs/<name>.py:<variant>` as the command line would load it."""
-  path = ROOT / 'configs' / f'{name}.py'
-  spec = importlib.util.spec_from_file_location(f'configs_{name}', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(variant)
+  return config_lib.load(f'{ROOT / "configs" / name}.py:{variant}')
 
 
 # A model small enough that a step costs milliseconds: tests exercise the machinery.

@@ -1,5 +1,7 @@
 """Warm start (`config.init_from`) and freezing (`config.trainable`)."""
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -77,3 +79,20 @@ def test_trainable_matching_nothing_is_an_error(helpers, tfds_dir):
   config = small_config(helpers, tfds_dir, trainable='^no_such_parameter')
   with pytest.raises(ValueError, match='matches no parameter'):
     state_lib.setup(config, vocab_size=64, bos_id=1, devices=jax.devices()[:1])
+
+
+def test_resuming_a_warm_started_run_is_exact(source_run, helpers, tfds_dir, tmp_path):
+  """A warm-started run killed after its step-2 checkpoint resumes from that checkpoint (not
+  from the source run again) and ends bitwise where an uninterrupted run ends."""
+  workdir, _ = source_run
+  config = lambda: small_config(helpers, tfds_dir, **{
+      'init_from': workdir, 'trainable': r'^decoder/', 'checkpoint_every_steps': 2,
+      'async_checkpointing': False})
+  train.train_and_evaluate(config(), str(tmp_path / 'straight'))
+  train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
+  shutil.rmtree(tmp_path / 'resumed' / 'checkpoints' / '4')  # as if killed after step 2's save
+  train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
+  straight, resumed = (FLAT(checkpoints.load_state(str(tmp_path / run), 4)[1]['params'])
+                       for run in ('straight', 'resumed'))
+  for name, value in straight.items():
+    np.testing.assert_array_equal(resumed[name], value, err_msg=name)

@@ -1,0 +1,1 @@
+"""Collaborative attention (Cordonnier et al. 2020): re-parametrization and key width."""

@@ -1,0 +1,62 @@
+"""Validation and test BLEU of a translation run: last checkpoint vs the mean of the last K,
+at two length penalties (the choice is made on validation, then read off test).
+
+    python -m experiments.multi30k.final_scores --workdir=/work/runs/multi30k/base
+
+Prints a markdown table (sacreBLEU, cased, detokenized; beam 4).
+"""
+
+import argparse
+import gzip
+import os
+
+import jax
+
+from lowrank_attn import data as data_lib
+from lowrank_attn import translate
+from lowrank_attn.train import checkpoints, decode, state as state_lib
+
+
+def read(path):
+  with gzip.open(path, 'rt', encoding='utf-8') as f:
+    return [line.rstrip('\n') for line in f]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--workdir', required=True)
+  parser.add_argument('--average_last', type=int, default=3)
+  parser.add_argument('--length_penalties', default='0.6,1.0')
+  parser.add_argument('--splits', default='val,test_2016_flickr')
+  args = parser.parse_args()
+  data_dir = os.path.join(os.environ['LOWRANK_ATTN_DATA'], 'multi30k')
+  config = translate.run_config(args.workdir)
+  tokenizer = data_lib.load_tokenizer(config.data, args.workdir)
+  s = state_lib.setup(config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
+  steps = translate.checkpoint_steps(args.workdir)[-args.average_last:]
+  params = [checkpoints.restore_params(args.workdir, step, s.abstract_state['params'])
+            for step in steps]
+  candidates = {f'last checkpoint ({steps[-1]})': params[-1],
+                f'mean of {", ".join(map(str, steps))}': jax.tree.map(
+                    lambda *x: sum(x) / len(x), *params)}
+  splits = args.splits.split(',')
+  print('| parameters | length penalty | ' + ' | '.join(f'{s} BLEU | {s} chrF2' for s in splits)
+        + ' |')
+  print('|---|---:|' + '---:|---:|' * len(splits))
+  for name, p in candidates.items():
+    for alpha in map(float, args.length_penalties.split(',')):
+      translator = decode.Translator(
+          s, p, tokenizer, beam_size=4, length_penalty=alpha,
+          max_length=config.decode.max_length, batch_size=64,
+          source_max_length=config.data.max_length)
+      cells = []
+      for split in splits:
+        scores = decode.score(translator.translate(read(f'{data_dir}/{split}.en.gz')).texts,
+                              read(f'{data_dir}/{split}.de.gz'))
+        cells += [f'{scores["bleu"]:.2f}', f'{scores["chrf"]:.2f}']
+      print(f'| {name} | {alpha} | ' + ' | '.join(cells) + ' |', flush=True)
+  print(f'\n{scores["bleu_signature"]}\n{scores["chrf_signature"]}')
+
+
+if __name__ == '__main__':
+  main()

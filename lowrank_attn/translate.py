@@ -1,0 +1,292 @@
+r"""Translate raw text with a trained translation run's checkpoint.
+
+    python -m lowrank_attn.translate --workdir=runs/multi30k [--input=FILE|-] [--output=FILE|-]
+        [--beam_size=N] [--batch_size=N] [--step=N] [--max_length=N] [--reference=FILE]
+
+One sentence per line in (raw text; `.gz` files are read as gzip), one translation per line
+out, in the same order. The run's `config.json` gives the model, its tokenizer is read from the
+run directory and only the parameters are restored from `checkpoints/<step>` (the latest
+unless --step), onto a mesh of all local devices shaped as the run's (or all data-parallel if
+that shape does not fit). Sentences are encoded as training's evaluation encodes sources,
+sorted by length, batched, searched by `lowrank_attn.train.decode`'s jitted beam search (the
+one the end of training evaluates with), and put back in input order.
+
+Behaviour: an empty line gives an empty line; a line longer than the model's sources
+(`data.max_length` tokens with EOS) is cut to that length, with a warning naming the line.
+`--reference=FILE` prints sacreBLEU's BLEU (cased, 13a tokenization of the detokenized text,
+with its signature) and chrF against FILE. Everything but the translations goes to stderr:
+a progress bar, the speed (sentences/s) and the share of the time spent outside the jitted
+search. A missing run directory, one without checkpoints or an unknown --step ends with one
+line on stderr and exit status 2.
+
+Compiled searches are cached in --compilation_cache (default ~/.cache/lowrank_attn/jax), so a
+second call on the same run with the same settings does not compile again.
+"""
+
+import gzip
+import json
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+
+flags.DEFINE_string('workdir', None, 'The training run: its directory (config.json, '
+                    'checkpoints/, tokenizers/).')
+flags.DEFINE_string('input', '-', 'Source sentences, one per line (.gz read as gzip); - = stdin.')
+flags.DEFINE_string('output', '-', 'Where the translations go, one per line; - = stdout.')
+flags.DEFINE_integer('beam_size', None, 'Beam size (1 = greedy); default: the run\'s '
+                     'decode.beam_size.')
+flags.DEFINE_integer('batch_size', None, 'Sentences per search call (rounded up to fill every '
+                     'device); default: the run\'s per_device_batch_size x devices, as the end of '
+                     'training evaluates.')
+flags.DEFINE_integer('step', None, 'Checkpoint step; default: the latest.')
+flags.DEFINE_integer('max_length', None, 'Longest translation, in tokens; default: the run\'s '
+                     'decode.max_length.')
+flags.DEFINE_string('reference', None, 'Reference translations, one per line (.gz allowed): '
+                    'print BLEU and chrF.')
+flags.DEFINE_string('compilation_cache', os.path.join('~', '.cache', 'lowrank_attn', 'jax'),
+                    'JAX persistent compilation cache directory; empty: none.')
+flags.mark_flag_as_required('workdir')
+FLAGS = flags.FLAGS
+
+USAGE_ERROR = 2
+# Over-long lines are named one by one up to this many, then counted.
+MAX_NAMED_LINES = 20
+
+
+class UsageError(Exception):
+  """A problem with the command's arguments or the run directory: one line, exit status 2."""
+
+
+def fail(message: str):
+  sys.stderr.write(f'translate: {message}\n')
+  sys.exit(USAGE_ERROR)
+
+
+# As in lowrank_attn.train.checkpoints, which is not imported for these checks: importing it
+# (JAX, Orbax) takes seconds, and a wrong --workdir should fail at once.
+CONFIG_FILE = 'config.json'
+CHECKPOINT_DIR = 'checkpoints'
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """Committed checkpoint steps, ascending: `checkpoints/<step>` directories (a half-written
+  save has another name)."""
+  directory = os.path.join(workdir, CHECKPOINT_DIR)
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory)
+                if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+
+
+def check_run(workdir: str, step: int | None) -> int:
+  """The checkpoint step to restore, or UsageError (without importing JAX: fails fast)."""
+  if not os.path.isdir(workdir):
+    raise UsageError(f'--workdir={workdir}: no such directory.')
+  if not os.path.isfile(os.path.join(workdir, CONFIG_FILE)):
+    raise UsageError(f'--workdir={workdir} is not a training run: it has no {CONFIG_FILE}.')
+  steps = checkpoint_steps(workdir)
+  if not steps:
+    raise UsageError(f'--workdir={workdir} has no checkpoint in '
+                     f'{os.path.join(workdir, CHECKPOINT_DIR)} (a run saves one every '
+                     'checkpoint_every_steps and at its end).')
+  if step is None:
+    return steps[-1]
+  if step not in steps:
+    raise UsageError(f'--step={step}: {workdir} has no checkpoint of that step; it has '
+                     f'{", ".join(map(str, steps))}.')
+  return step
+
+
+def read_lines(path: str, what: str) -> list[str]:
+  """Lines of a text file (- = stdin; .gz = gzip), without line ends; a final newline does
+  not start another line."""
+  try:
+    if path == '-':
+      data = sys.stdin.buffer.read()
+    else:
+      opener = gzip.open if path.endswith('.gz') else open
+      with opener(os.path.expanduser(path), 'rb') as f:
+        data = f.read()
+    text = data.decode('utf-8')
+  except FileNotFoundError:
+    raise UsageError(f'{what} {path}: no such file.') from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise UsageError(f'{what} {path} is not readable UTF-8 text: {e}') from None
+  if not text:
+    return []
+  return [line.removesuffix('\r') for line in text.removesuffix('\n').split('\n')]
+
+
+def run_config(workdir: str):
+  """The run's config: its config.json over the defaults of its task (fields added since the
+  run was made keep their defaults)."""
+  import ml_collections
+  from lowrank_attn.train import config as config_lib
+
+  with open(os.path.join(workdir, CONFIG_FILE)) as f:
+    saved = json.load(f)
+
+  def tuples(value):  # JSON turned the config's tuples into lists
+    if isinstance(value, list):
+      return tuple(tuples(v) for v in value)
+    if isinstance(value, dict):
+      return {k: tuples(v) for k, v in value.items()}
+    return value
+
+  def merge(defaults, values):
+    out = dict(defaults)
+    for key, value in values.items():
+      out[key] = (merge(defaults[key], value) if isinstance(value, dict)
+                  and isinstance(defaults.get(key), dict) else value)
+    return out
+
+  task = saved.get('task')
+  if task != 'nmt':
+    raise UsageError(f'--workdir={workdir} is a {task!r} run; translate needs an nmt run.')
+  config = ml_collections.ConfigDict(
+      merge(config_lib.base_config(task).to_dict(), tuples(saved)))
+  try:
+    config_lib.validate(config)
+  except ValueError as e:
+    raise UsageError(f'{workdir}/{CONFIG_FILE}: {e}') from None
+  return config
+
+
+class ProgressBar:
+  """`[#####.....] 320/1014 sentences  41.2/s` on stderr: redrawn in place on a terminal,
+  a line every `every_secs` otherwise."""
+
+  def __init__(self, total: int, every_secs: float = 10.0):
+    self.total, self.every_secs = total, every_secs
+    self.interactive = sys.stderr.isatty()
+    self.start = self.last = time.perf_counter()
+
+  def __call__(self, done: int, total: int) -> None:
+    now = time.perf_counter()
+    if not self.interactive and now - self.last < self.every_secs and done < total:
+      return
+    self.last = now
+    width = 30
+    filled = int(width * done / max(total, 1))
+    rate = done / max(now - self.start, 1e-9)
+    line = f'[{"#" * filled}{"." * (width - filled)}] {done}/{total} sentences  {rate:.1f}/s'
+    sys.stderr.write(f'\r\033[K{line}' if self.interactive else line + '\n')
+    if self.interactive and done >= total:
+      sys.stderr.write('\n')
+    sys.stderr.flush()
+
+
+def say(line: str) -> None:
+  sys.stderr.write(line + '\n')
+  sys.stderr.flush()
+
+
+def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-',
+                   beam_size: int | None = None, batch_size: int | None = None,
+                   step: int | None = None, max_length: int | None = None,
+                   reference: str | None = None,
+                   compilation_cache: str | None = None) -> dict:
+  """What the command does; returns {'step', 'sentences', 'timing', 'bleu', 'chrf', ...}.
+
+  Raises UsageError for what the command reports in one line (exit status 2).
+  """
+  started = time.perf_counter()
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  step = check_run(workdir, step)
+  sources = read_lines(input_path, '--input')
+  references = read_lines(reference, '--reference') if reference is not None else None
+  if references is not None and len(references) != len(sources):
+    raise UsageError(f'--reference={reference} has {len(references)} lines but --input has '
+                     f'{len(sources)}; line i of one must translate line i of the other.')
+  for name, value in (('beam_size', beam_size), ('batch_size', batch_size),
+                      ('max_length', max_length)):
+    if value is not None and value < 1:
+      raise UsageError(f'--{name}={value} must be >= 1.')
+  if output_path != '-':
+    output_path = os.path.abspath(os.path.expanduser(output_path))
+    if not os.path.isdir(os.path.dirname(output_path)):
+      raise UsageError(f'--output={output_path}: no directory {os.path.dirname(output_path)}.')
+
+  import jax
+  if compilation_cache:
+    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(compilation_cache))
+  from lowrank_attn import data as data_lib, sharding
+  from lowrank_attn.train import checkpoints, decode, state as state_lib
+
+  config = run_config(workdir)
+  beam_size = beam_size or config.decode.beam_size
+  max_length = max_length or config.decode.max_length
+  model_max = config.model.max_length
+  if config.model.positions == 'learned' and max_length > model_max:
+    raise UsageError(f'--max_length={max_length}: the model has learned positions up to '
+                     f'model.max_length={model_max}.')
+  try:
+    tokenizer = data_lib.load_tokenizer(config.data, workdir)
+  except FileNotFoundError as e:
+    raise UsageError(f'--workdir={workdir}: {e}') from None
+  try:
+    sharding.mesh_shape(config.mesh.to_dict(), jax.device_count())
+  except ValueError as e:  # the run's mesh does not fit these devices: all data-parallel
+    say(f'translate: the run\'s mesh does not fit here ({e}); using the '
+        f'{jax.device_count()} devices data-parallel.')
+    config.mesh.update({'data': -1, 'fsdp': 1, 'tensor': 1})
+  s = state_lib.setup(config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
+  params = checkpoints.restore_params(workdir, step, s.abstract_state['params'])
+  translator = decode.Translator(
+      s, params, tokenizer, beam_size=beam_size, length_penalty=config.decode.length_penalty,
+      max_length=max_length, batch_size=batch_size or decode.default_batch_size(config),
+      source_max_length=config.data.max_length)
+  say(f'translate: {workdir} step {step}, {len(sources)} sentences, beam {beam_size}, '
+      f'batch {translator.batch_size}, mesh {dict(s.mesh.shape)} on {jax.device_count()} '
+      f'{jax.devices()[0].platform} device(s); ready after {time.perf_counter() - started:.1f} s')
+
+  result = translator.translate(sources, progress=ProgressBar(len(sources)))
+  for n, i in enumerate(result.truncated):
+    if n == MAX_NAMED_LINES:
+      say(f'translate: warning: and {len(result.truncated) - n} more over-long lines.')
+      break
+    say(f'translate: warning: line {i + 1} is longer than the {config.data.max_length} tokens '
+        f'(with EOS) the model takes; translated its first {config.data.max_length - 1} tokens.')
+  text = ''.join(t + '\n' for t in result.texts)
+  if output_path == '-':
+    sys.stdout.write(text)
+    sys.stdout.flush()
+  else:
+    try:
+      with open(output_path, 'w', encoding='utf-8') as f:
+        f.write(text)
+    except OSError as e:
+      raise UsageError(f'--output={output_path}: {e}') from None
+  timing = translator.timing
+  say(f'translate: {timing.describe()}')
+  out = {'step': step, 'sentences': len(sources), 'beam_size': beam_size,
+         'batch_size': translator.batch_size, 'truncated': result.truncated,
+         'translations': result.texts, 'timing': timing,
+         'sentences_per_sec': len(sources) / timing.total_secs if timing.total_secs else 0.0,
+         'outside_search_share': timing.outside_share}
+  if references is not None:
+    scores = decode.score(result.texts, references)
+    say(f'BLEU {scores["bleu"]:.6f}  {scores["bleu_signature"]}\n  {scores["bleu_summary"]}')
+    say(f'chrF2 {scores["chrf"]:.6f}  {scores["chrf_signature"]}')
+    out.update(scores)
+  return out
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if not FLAGS['verbosity'].present:  # library INFO logs (Orbax) would drown the progress
+    logging.set_verbosity(logging.WARNING)
+  try:
+    translate_file(FLAGS.workdir, input_path=FLAGS.input, output_path=FLAGS.output,
+                   beam_size=FLAGS.beam_size, batch_size=FLAGS.batch_size, step=FLAGS.step,
+                   max_length=FLAGS.max_length, reference=FLAGS.reference,
+                   compilation_cache=FLAGS.compilation_cache)
+  except UsageError as e:
+    fail(str(e))
+
+
+if __name__ == '__main__':
+  app.run(main)

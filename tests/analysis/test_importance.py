@@ -1,0 +1,130 @@
+"""Head importance against finite differences of the masked loss, streaming and token
+weighting, layer normalisation; confidence against a numpy loop over real tokens."""
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowrank_attn import models
+from lowrank_attn.analysis import head_confidence, head_importance
+from lowrank_attn.pruning import prune_heads
+
+V, D, H, LAYERS = 30, 16, 4, 2
+TYPES = ('encoder', 'decoder', 'cross')
+
+
+def small_model(seed=0):
+  spec = models.AttentionSpec(num_heads=H)
+  cfg = models.TransformerConfig(
+      vocab_size=V, emb_dim=D, mlp_dim=32, num_encoder_layers=LAYERS,
+      num_decoder_layers=LAYERS, encoder_attention=spec, decoder_attention=spec,
+      cross_attention=spec, max_length=16, dropout_rate=0.0)
+  model = models.EncoderDecoder(cfg, bos_id=1, rngs=nnx.Rngs(seed))
+  rng = np.random.default_rng(seed)
+  state = nnx.state(model, nnx.Param)
+  nnx.update(model, jax.tree.map(
+      lambda x: x + 0.3 * jnp.asarray(rng.standard_normal(x.shape), x.dtype), state))
+  return model
+
+
+def translation_batch(seed=0, rows=3):
+  """Rows of different lengths (0 = padding), EOS = 2 at the end of each side."""
+  rng = np.random.default_rng(seed)
+  inputs = np.zeros((rows, 8), np.int32)
+  targets = np.zeros((rows, 6), np.int32)
+  for row in range(rows):
+    n, m = rng.integers(3, 8), rng.integers(2, 6)
+    inputs[row, :n] = [*rng.integers(3, V, n - 1), 2]
+    targets[row, :m] = [*rng.integers(3, V, m - 1), 2]
+  return {'inputs': inputs, 'targets': targets, 'weights': (targets != 0).astype(np.float32)}
+
+
+def test_importance_equals_finite_differences_of_each_example_loss():
+  """Michel et al.: I_h = sum_x |dL_x/d xi_h| / tokens, dL_x/d xi_h by central differences."""
+  model = small_model()
+  batch = translation_batch(rows=2)
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def example_losses(masks):
+    logits, _ = nnx.merge(graphdef, params)(batch['inputs'], batch['targets'], head_masks=masks)
+    log_probs = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(log_probs, batch['targets'][..., None], -1)[..., 0]
+    return jnp.sum(nll * batch['weights'], axis=1)  # [examples]
+
+  eps = 1e-2
+  expected = {t: np.zeros((LAYERS, H)) for t in TYPES}
+  for t in TYPES:
+    for layer in range(LAYERS):
+      for head in range(H):
+        masks = {u: np.ones((LAYERS, H), np.float32) for u in TYPES}
+        masks[t][layer, head] = 1 + eps
+        up = np.asarray(example_losses(masks), np.float64)
+        masks[t][layer, head] = 1 - eps
+        down = np.asarray(example_losses(masks), np.float64)
+        expected[t][layer, head] = np.sum(np.abs(up - down) / (2 * eps))
+  tokens = batch['weights'].sum()
+  importance = head_importance(model, [batch])
+  for t in TYPES:
+    np.testing.assert_allclose(importance[t], expected[t] / tokens, rtol=2e-3, atol=1e-6)
+
+
+def test_importance_streams_over_batches_weighting_examples_by_tokens():
+  model = small_model()
+  first, second = translation_batch(1, rows=2), translation_batch(2, rows=3)
+  joined = {k: np.concatenate([first[k], second[k]]) for k in first}
+  streamed, whole = head_importance(model, [first, second]), head_importance(model, [joined])
+  for t in TYPES:
+    np.testing.assert_allclose(streamed[t], whole[t], rtol=1e-5)
+  normalised = head_importance(model, [first, second], normalize_layers=True)
+  for t in TYPES:
+    np.testing.assert_allclose(np.linalg.norm(normalised[t], axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(normalised[t] * np.linalg.norm(whole[t], axis=1)[:, None],
+                               whole[t], rtol=1e-5)
+
+
+def numpy_confidence(weights, query_tokens, key_tokens, eos_id=None):
+  """Mean over real query tokens of the largest weight on a real key token, per head."""
+  real = lambda t: (t != 0) & (t != (eos_id if eos_id is not None else -1))
+  total, count = np.zeros(weights.shape[1]), 0
+  for b in range(weights.shape[0]):
+    for q in np.flatnonzero(real(query_tokens[b])):
+      keys = np.flatnonzero(real(key_tokens[b]))
+      total += weights[b][:, q, keys].max(axis=-1)
+      count += 1
+  return total / count
+
+
+@pytest.mark.parametrize('eos_id', [None, 2])
+def test_confidence_is_the_mean_top_weight_over_real_tokens(eos_id):
+  model = small_model()
+  batch = translation_batch(3)
+  _, aux = model(batch['inputs'], batch['targets'], return_weights=True)
+  weights = aux['attention_weights']
+  shifted = np.concatenate([np.ones((3, 1), np.int32), batch['targets'][:, :-1]], axis=1)
+  shifted = np.where(batch['targets'] != 0, shifted, 0)
+  tokens = {'encoder': (batch['inputs'], batch['inputs']), 'decoder': (shifted, shifted),
+            'cross': (shifted, batch['inputs'])}
+  confidence = head_confidence(model, [batch], eos_id=eos_id)
+  for t in TYPES:
+    for layer in range(LAYERS):
+      expected = numpy_confidence(np.asarray(weights[t][layer]), *tokens[t], eos_id=eos_id)
+      np.testing.assert_allclose(confidence[t][layer], expected, rtol=1e-5)
+
+
+def test_statistics_of_a_pruned_model_with_ragged_layers():
+  model = small_model()
+  keep = {'encoder': np.array([[1, 1, 0, 1], [0, 0, 0, 0]], bool)}
+  pruned = prune_heads(model, keep)
+  batch = translation_batch(4)
+  importance = head_importance(pruned, [batch])
+  assert [len(x) for x in importance['encoder']] == [3, 0]
+  assert importance['decoder'].shape == (LAYERS, H)
+  assert head_confidence(pruned, [batch])['encoder'][1].shape == (0,)
+
+
+def test_empty_batches_are_a_value_error():
+  with pytest.raises(ValueError, match='batches is empty'):
+    head_importance(small_model(), [])

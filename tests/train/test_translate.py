@@ -1,0 +1,260 @@
+"""The end of training's evaluation, `python -m lowrank_attn.translate`, and the learning curve.
+
+One tiny translation run (configs/nmt.py:tiny, 60 steps on the tests' 8 CPU devices, beam 2,
+two extra test files) is trained once for the module; the tests read what it wrote.
+"""
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+
+import jax
+import pytest
+import sacrebleu
+
+from lowrank_attn import translate
+from lowrank_attn.train import checkpoints, metrics, train
+
+from experiments.multi30k import plot_curve
+
+STEPS, EVAL_EVERY, BEAM = 60, 20, 2
+
+
+def raw_lines(path):
+  opener = gzip.open if path.endswith('.gz') else open
+  with opener(path, 'rt', encoding='utf-8') as f:
+    return f.read().removesuffix('\n').split('\n')
+
+
+def multi30k_file(name):
+  return os.path.join(os.environ['LOWRANK_ATTN_DATA'], 'multi30k', name)
+
+
+def write_lines(path, lines):
+  with open(path, 'w', encoding='utf-8') as f:
+    f.writelines(line + '\n' for line in lines)
+  return str(path)
+
+
+def read_jsonl(workdir):
+  with open(os.path.join(workdir, metrics.METRICS_FILE)) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope='module')
+def run(helpers, tfds_dir, tmp_path_factory):
+  files = tmp_path_factory.mktemp('extra')
+  english = raw_lines(multi30k_file('test_2016_flickr.en.gz'))
+  german = raw_lines(multi30k_file('test_2016_flickr.de.gz'))
+  # 'mini': 40 test sentences; 'odd': an empty source line and one far over data.max_length.
+  extra = {
+      'mini': (english[:40], german[:40]),
+      'odd': ([english[50], '', ' '.join(english[51:56]), english[56]],
+              [german[50], german[51], ' '.join(german[51:56]), german[56]]),
+  }
+  paths = {name: (write_lines(files / f'{name}.en', en), write_lines(files / f'{name}.de', de))
+           for name, (en, de) in extra.items()}
+  workdir = str(tmp_path_factory.mktemp('nmt_run'))
+  config = helpers.load_config('nmt', 'tiny')
+  helpers.override(config, {
+      'data.tfds_data_dir': tfds_dir, 'num_train_steps': STEPS, 'eval_every_steps': EVAL_EVERY,
+      'per_device_batch_size': config.per_device_batch_size // jax.device_count(),
+      'decode.beam_size': BEAM, 'decode.num_examples': 16,
+      'data.extra_test_files': ','.join(f'{en}:{de}' for en, de in paths.values())})
+  result = train.train_and_evaluate(config, workdir)
+  return types.SimpleNamespace(workdir=workdir, config=config, result=result, paths=paths,
+                               references={name: de for name, (_, de) in extra.items()})
+
+
+def test_final_evaluation_reports_every_split_under_its_name(run):
+  final = run.result['final']
+  assert list(final) == ['validation', 'test', 'mini', 'odd']
+  references = {'validation': raw_lines(multi30k_file('val.de.gz')),
+                'test': raw_lines(multi30k_file('test_2016_flickr.de.gz')), **run.references}
+  lines = [l for l in read_jsonl(run.workdir) if l['step'] == STEPS]
+  for name, expected in references.items():
+    reported = final[name]
+    line, = [l for l in lines if l['split'] == name]
+    for key in ('loss', 'perplexity', 'accuracy', 'bleu', 'chrf', 'sentences'):
+      assert line[key] == pytest.approx(reported[key], abs=1e-12), (name, key)
+    assert reported['sentences'] == len(expected)
+    assert reported['beam_size'] == BEAM
+    assert reported['bleu_signature'].startswith('nrefs:1|case:mixed|eff:no|tok:13a|')
+    assert reported['chrf_signature'].startswith('nrefs:1|case:mixed|')
+    # The scores are sacreBLEU's on the translations the run wrote, against the raw reference
+    # text (read here from the files, not through the tokenizer).
+    written = raw_lines(os.path.join(run.workdir, train.FINAL_EVAL_DIR, str(STEPS),
+                                     f'{name}.txt'))
+    assert len(written) == len(expected)
+    bleu = sacrebleu.metrics.BLEU().corpus_score(written, [expected]).score
+    chrf = sacrebleu.metrics.CHRF().corpus_score(written, [expected]).score
+    assert reported['bleu'] == pytest.approx(bleu, abs=1e-9), name
+    assert reported['chrf'] == pytest.approx(chrf, abs=1e-9), name
+    assert reported['bleu'] > 0 and reported['chrf'] > 5  # it translates, a little
+    if len(expected) > 100:  # each translation is its own sentence's, in input order
+      shifted = sacrebleu.metrics.CHRF().corpus_score(written, [expected[1:] + expected[:1]])
+      assert chrf > shifted.score + 2, (name, chrf, shifted.score)
+  odd = raw_lines(os.path.join(run.workdir, train.FINAL_EVAL_DIR, str(STEPS), 'odd.txt'))
+  assert odd[1] == '' and all(odd[i] for i in (0, 2, 3))
+  assert final['odd']['truncated_sources'] == 1
+  # Evaluations during training are unchanged: eval_split, decode.num_examples sentences.
+  evals = [l for l in read_jsonl(run.workdir) if l['split'] == 'eval']
+  assert [l['step'] for l in evals] == [20, 40, 60]
+  assert all(l['decoded_examples'] == 16 for l in evals)
+
+
+def test_rerunning_the_finished_run_returns_its_final_evaluation(run):
+  again = train.train_and_evaluate(run.config, run.workdir)
+  assert again['step'] == STEPS and again['final'] == run.result['final']
+  # Read back, not evaluated again: one line per split at the last step.
+  names = [l['split'] for l in read_jsonl(run.workdir) if l['step'] == STEPS]
+  assert sorted(n for n in names if n in again['final']) == sorted(again['final'])
+
+
+def cli(*args, timeout=600):
+  return subprocess.run([sys.executable, '-m', 'lowrank_attn.translate', *args],
+                        capture_output=True, text=True, timeout=timeout,
+                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def test_translate_reproduces_the_bleu_training_reported(run, tmp_path):
+  out = tmp_path / 'test.de'
+  done = cli(f'--workdir={run.workdir}', f'--input={multi30k_file("test_2016_flickr.en.gz")}',
+             f'--reference={multi30k_file("test_2016_flickr.de.gz")}', f'--output={out}',
+             f'--beam_size={BEAM}', '--compilation_cache=')
+  assert done.returncode == 0, done.stderr[-3000:]
+  reported = run.result['final']['test']
+  bleu = float(re.search(r'^BLEU (\S+)', done.stderr, re.M).group(1))
+  chrf = float(re.search(r'^chrF2 (\S+)', done.stderr, re.M).group(1))
+  assert bleu == pytest.approx(reported['bleu'], abs=1e-6)
+  assert chrf == pytest.approx(reported['chrf'], abs=1e-6)
+  assert reported['bleu_signature'] in done.stderr
+  # Not only the score: the very same translations, in input order.
+  written = os.path.join(run.workdir, train.FINAL_EVAL_DIR, str(STEPS), 'test.txt')
+  assert out.read_text(encoding='utf-8') == open(written, encoding='utf-8').read()
+  assert re.search(r'sentences/s; jitted search .* outside it', done.stderr)
+
+
+def test_empty_line_gives_empty_line_and_overlong_line_is_cut_with_a_warning(run, tmp_path,
+                                                                              capsys):
+  english = raw_lines(multi30k_file('test_2016_flickr.en.gz'))
+  long_line = ' '.join(english[:8])  # far over data.max_length (32 tokens)
+  source = write_lines(tmp_path / 'in.en', [english[100], '', long_line, english[101]])
+  out = tmp_path / 'out.de'
+  result = translate.translate_file(run.workdir, input_path=source, output_path=str(out),
+                                    compilation_cache='')
+  translations = out.read_text(encoding='utf-8').split('\n')
+  assert len(translations) == 5 and translations[-1] == ''  # four lines, each ended by \n
+  assert translations[1] == '' and all(translations[i] for i in (0, 2, 3))
+  assert result['truncated'] == [2]
+  err = capsys.readouterr().err
+  assert re.search(r'warning: line 3 is longer than the 32 tokens', err), err
+  assert not re.search(r'line [124] is longer', err)
+  assert result['step'] == STEPS and result['beam_size'] == BEAM  # the run's defaults
+
+
+@pytest.mark.parametrize('case', ['missing workdir', 'no checkpoints', 'unknown step'])
+def test_a_bad_run_directory_is_one_line_and_exit_status_2(run, tmp_path, case):
+  if case == 'missing workdir':
+    args, says = [f'--workdir={tmp_path / "nowhere"}'], 'no such directory'
+  elif case == 'no checkpoints':
+    empty = tmp_path / 'fresh'
+    empty.mkdir()
+    (empty / checkpoints.CONFIG_FILE).write_text(
+        open(os.path.join(run.workdir, checkpoints.CONFIG_FILE)).read())
+    args, says = [f'--workdir={empty}'], 'has no checkpoint in'
+  else:
+    args, says = [f'--workdir={run.workdir}', '--step=7'], 'has no checkpoint of that step; it has'
+  done = cli(*args, '--input=/dev/null', timeout=120)
+  assert done.returncode == 2, done.stderr
+  assert done.stderr.startswith('translate: ') and says in done.stderr, done.stderr
+  assert done.stderr.count('\n') == 1 and 'Traceback' not in done.stderr
+
+
+def test_translate_checks_match_the_checkpoints_module():
+  assert (translate.CONFIG_FILE, translate.CHECKPOINT_DIR) == (checkpoints.CONFIG_FILE,
+                                                               checkpoints.CHECKPOINT_DIR)
+
+
+def test_a_missing_extra_test_file_fails_before_training(run, helpers, tfds_dir, tmp_path):
+  config = helpers.load_config('nmt', 'tiny')
+  tokenizer, = os.listdir(os.path.join(run.workdir, 'tokenizers'))
+  helpers.override(config, {
+      'data.tfds_data_dir': tfds_dir,
+      'data.tokenizer_path': os.path.join(run.workdir, 'tokenizers', tokenizer),
+      'data.extra_test_files': f'{run.paths["mini"][0]}:{run.paths["mini"][1]},'
+                               f'{tmp_path}/gone.en:{tmp_path}/gone.de'})
+  with pytest.raises(FileNotFoundError, match='gone.en'):
+    train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert not os.path.exists(tmp_path / 'run' / checkpoints.CHECKPOINT_DIR)
+
+
+def test_plot_curve_on_the_run(run, tmp_path, capsys):
+  out = tmp_path / 'curve.png'
+  rows = plot_curve.main([f'--workdir={run.workdir}', f'--out={out}'])
+  assert [r['step'] for r in rows] == [20, 40, 60]
+  minutes = [r['minutes'] for r in rows]
+  assert 0 < minutes[0] < minutes[1] < minutes[2]
+  train_secs = {l['step']: l['train_secs'] for l in read_jsonl(run.workdir)
+                if l['split'] == 'train'}
+  assert minutes == pytest.approx([train_secs[s] / 60 for s in (20, 40, 60)])
+  evals = {l['step']: l for l in read_jsonl(run.workdir) if l['split'] == 'eval'}
+  assert [r['loss'] for r in rows] == [evals[s]['loss'] for s in (20, 40, 60)]
+  assert [r['bleu'] for r in rows] == [evals[s]['bleu'] for s in (20, 40, 60)]
+  assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  table = capsys.readouterr().out
+  assert '| step | minutes | eval loss | BLEU |' in table
+  assert f'| 60 | {minutes[2]:.1f} | {evals[60]["loss"]:.3f} | {evals[60]["bleu"]:.2f} |' in table
+  assert f'BLEU {run.result["final"]["test"]["bleu"]:.2f}' in table
+
+
+def test_plot_curve_adds_the_time_before_a_resume():
+  lines = [{'split': 'train', 'step': s, 'train_secs': t} for s, t in
+           [(1, 1.0), (10, 10.0), (20, 20.0), (30, 30.0)]]
+  # Killed after step 30, resumed from the checkpoint of step 20: a new clock from step 21.
+  lines += [{'split': 'train', 'step': s, 'train_secs': t} for s, t in [(21, 2.0), (30, 11.0)]]
+  lines += [{'split': 'eval', 'step': 30, 'loss': 1.0, 'bleu': 2.0}]
+  seconds = plot_curve.training_seconds(lines)
+  assert seconds == {1: 1.0, 10: 10.0, 20: 20.0, 21: 21.0, 30: 30.0}
+  assert plot_curve.curve(lines) == [{'step': 30, 'minutes': 0.5, 'loss': 1.0, 'bleu': 2.0}]
+
+
+@pytest.mark.parametrize('mesh', [{'data': 2, 'fsdp': 2, 'tensor': 2}, {'data': 1, 'fsdp': 1,
+                                                                        'tensor': 8}])
+def test_translations_do_not_depend_on_the_mesh(run, mesh):
+  """The parameters restored onto another mesh (sharded by fsdp and tensor) translate the 40
+  'mini' sentences as the end of training did on 8-way data parallelism."""
+  from lowrank_attn import data as data_lib
+  from lowrank_attn.train import decode, state as state_lib
+
+  config = translate.run_config(run.workdir)
+  config.mesh.update(mesh)
+  tokenizer = data_lib.load_tokenizer(config.data, run.workdir)
+  s = state_lib.setup(config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
+  params = checkpoints.restore_params(run.workdir, STEPS, s.abstract_state['params'])
+  translator = decode.Translator(
+      s, params, tokenizer, beam_size=BEAM, length_penalty=config.decode.length_penalty,
+      max_length=config.decode.max_length, batch_size=decode.default_batch_size(config),
+      source_max_length=config.data.max_length)
+  texts = translator.translate(raw_lines(run.paths['mini'][0])).texts
+  written = raw_lines(os.path.join(run.workdir, train.FINAL_EVAL_DIR, str(STEPS), 'mini.txt'))
+  assert texts == written
+
+
+def test_a_mesh_that_does_not_fit_falls_back_to_data_parallel(run, tmp_path, capsys):
+  import shutil
+  workdir = tmp_path / 'run'
+  shutil.copytree(run.workdir, workdir)
+  config = json.loads((workdir / checkpoints.CONFIG_FILE).read_text())
+  config['mesh'] = {'data': 1, 'fsdp': 1, 'tensor': 16}  # the tests have 8 devices
+  (workdir / checkpoints.CONFIG_FILE).write_text(json.dumps(config))
+  out = tmp_path / 'mini.de'
+  translate.translate_file(str(workdir), input_path=run.paths['mini'][0], output_path=str(out),
+                           compilation_cache='')
+  assert 'does not fit here' in capsys.readouterr().err
+  written = os.path.join(run.workdir, train.FINAL_EVAL_DIR, str(STEPS), 'mini.txt')
+  assert out.read_text(encoding='utf-8') == open(written, encoding='utf-8').read()
