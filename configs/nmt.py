@@ -16,6 +16,7 @@ only sets what differs for the task. Variants: `configs/nmt.py:<variant>`.
         penalty 1.0.
         python -m lowrank_attn.main --config=configs/nmt.py:multi30k --workdir=runs/multi30k
         python -m lowrank_attn.translate --workdir=runs/multi30k --average_last=3 \
+            --length_penalty=1.0 \
             --input=$LOWRANK_ATTN_DATA/multi30k/test_2016_flickr.en.gz \
             --reference=$LOWRANK_ATTN_DATA/multi30k/test_2016_flickr.de.gz
         Measured (seed 0, 2-core CPU): 70 min of training steps (4,221 s, evaluations

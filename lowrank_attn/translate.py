@@ -1,7 +1,8 @@
 r"""Translate raw text with a trained translation run's checkpoint.
 
     python -m lowrank_attn.translate --workdir=runs/multi30k [--input=FILE|-] [--output=FILE|-]
-        [--beam_size=N] [--batch_size=N] [--step=N] [--max_length=N] [--reference=FILE]
+        [--beam_size=N] [--batch_size=N] [--step=N] [--average_last=N] [--length_penalty=A]
+        [--max_length=N] [--reference=FILE]
 
 One sentence per line in (raw text; `.gz` files are read as gzip), one translation per line
 out, in the same order. The run's `config.json` gives the model, its tokenizer is read from the
@@ -41,6 +42,10 @@ flags.DEFINE_integer('batch_size', None, 'Sentences per search call (rounded up 
                      'device); default: the run\'s per_device_batch_size x devices, as the end of '
                      'training evaluates.')
 flags.DEFINE_integer('step', None, 'Checkpoint step; default: the latest.')
+flags.DEFINE_integer('average_last', 1, 'Translate with the mean parameters of the last N '
+                     'checkpoints up to --step (checkpoint averaging); 1: that one only.')
+flags.DEFINE_float('length_penalty', None, 'alpha of the beam score log p / ((5 + len) / 6)^alpha; '
+                   'default: the run\'s decode.length_penalty.')
 flags.DEFINE_integer('max_length', None, 'Longest translation, in tokens; default: the run\'s '
                      'decode.max_length.')
 flags.DEFINE_string('reference', None, 'Reference translations, one per line (.gz allowed): '
@@ -122,32 +127,15 @@ def read_lines(path: str, what: str) -> list[str]:
 def run_config(workdir: str):
   """The run's config: its config.json over the defaults of its task (fields added since the
   run was made keep their defaults)."""
-  import ml_collections
   from lowrank_attn.train import config as config_lib
 
   with open(os.path.join(workdir, CONFIG_FILE)) as f:
     saved = json.load(f)
-
-  def tuples(value):  # JSON turned the config's tuples into lists
-    if isinstance(value, list):
-      return tuple(tuples(v) for v in value)
-    if isinstance(value, dict):
-      return {k: tuples(v) for k, v in value.items()}
-    return value
-
-  def merge(defaults, values):
-    out = dict(defaults)
-    for key, value in values.items():
-      out[key] = (merge(defaults[key], value) if isinstance(value, dict)
-                  and isinstance(defaults.get(key), dict) else value)
-    return out
-
   task = saved.get('task')
   if task != 'nmt':
     raise UsageError(f'--workdir={workdir} is a {task!r} run; translate needs an nmt run.')
-  config = ml_collections.ConfigDict(
-      merge(config_lib.base_config(task).to_dict(), tuples(saved)))
   try:
+    config = config_lib.from_dict(saved)
     config_lib.validate(config)
   except ValueError as e:
     raise UsageError(f'{workdir}/{CONFIG_FILE}: {e}') from None
@@ -186,7 +174,8 @@ def say(line: str) -> None:
 def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-',
                    beam_size: int | None = None, batch_size: int | None = None,
                    step: int | None = None, max_length: int | None = None,
-                   reference: str | None = None,
+                   reference: str | None = None, average_last: int = 1,
+                   length_penalty: float | None = None,
                    compilation_cache: str | None = None) -> dict:
   """What the command does; returns {'step', 'sentences', 'timing', 'bleu', 'chrf', ...}.
 
@@ -201,7 +190,7 @@ def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-
     raise UsageError(f'--reference={reference} has {len(references)} lines but --input has '
                      f'{len(sources)}; line i of one must translate line i of the other.')
   for name, value in (('beam_size', beam_size), ('batch_size', batch_size),
-                      ('max_length', max_length)):
+                      ('max_length', max_length), ('average_last', average_last)):
     if value is not None and value < 1:
       raise UsageError(f'--{name}={value} must be >= 1.')
   if output_path != '-':
@@ -233,12 +222,20 @@ def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-
         f'{jax.device_count()} devices data-parallel.')
     config.mesh.update({'data': -1, 'fsdp': 1, 'tensor': 1})
   s = state_lib.setup(config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
-  params = checkpoints.restore_params(workdir, step, s.abstract_state['params'])
+  steps = [k for k in checkpoint_steps(workdir) if k <= step][-average_last:]
+  if len(steps) < average_last:
+    raise UsageError(f'--average_last={average_last}: {workdir} holds only {len(steps)} '
+                     f'checkpoints up to step {step} ({steps}).')
+  params = [checkpoints.restore_params(workdir, k, s.abstract_state['params']) for k in steps]
+  params = jax.tree.map(lambda *p: sum(p) / len(p), *params)  # checkpoint averaging
+  if length_penalty is None:
+    length_penalty = config.decode.length_penalty
   translator = decode.Translator(
-      s, params, tokenizer, beam_size=beam_size, length_penalty=config.decode.length_penalty,
+      s, params, tokenizer, beam_size=beam_size, length_penalty=length_penalty,
       max_length=max_length, batch_size=batch_size or decode.default_batch_size(config),
       source_max_length=config.data.max_length)
-  say(f'translate: {workdir} step {step}, {len(sources)} sentences, beam {beam_size}, '
+  averaged = f' (mean of steps {steps})' if len(steps) > 1 else ''
+  say(f'translate: {workdir} step {step}{averaged}, {len(sources)} sentences, beam {beam_size}, '
       f'batch {translator.batch_size}, mesh {dict(s.mesh.shape)} on {jax.device_count()} '
       f'{jax.devices()[0].platform} device(s); ready after {time.perf_counter() - started:.1f} s')
 
@@ -283,6 +280,7 @@ def main(argv):
     translate_file(FLAGS.workdir, input_path=FLAGS.input, output_path=FLAGS.output,
                    beam_size=FLAGS.beam_size, batch_size=FLAGS.batch_size, step=FLAGS.step,
                    max_length=FLAGS.max_length, reference=FLAGS.reference,
+                   average_last=FLAGS.average_last, length_penalty=FLAGS.length_penalty,
                    compilation_cache=FLAGS.compilation_cache)
   except UsageError as e:
     fail(str(e))

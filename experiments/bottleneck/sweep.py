@@ -186,7 +186,26 @@ def report(results) -> str:
       ('attention params', lambda r: f"{r['attention_params'] / 1e6:.2f}M"),
       ('train PFLOP', lambda r: f"{r['train_flops'] / 1e15:.2f}"),
       ('run time', lambda r: f"{r['wall_time_s'] / 60:.1f} min")])
-  return '\n'.join([runner.runs_summary(results), '', table, '![sweep](sweep.png)'])
+  return '\n'.join([runner.runs_summary(results), '', table, '![sweep](sweep.png)', '',
+                    *_trends(table_rows)])
+
+
+def _trends(table_rows) -> list[str]:
+  """Per variant: bits/char at its fewest and most heads, against the spread over seeds."""
+  lines = ['Fewest to most heads, per variant (mean bits/char; spread = largest max - min '
+           'over seeds at any h of that variant):', '']
+  for variant in VARIANTS:
+    points = sorted((r for r in table_rows if r['variant'] == variant.label),
+                    key=lambda r: r['heads'])
+    if len(points) < 2:
+      continue
+    first, last = points[0], points[-1]
+    spread = max(r['bits_per_char_max'] - r['bits_per_char_min'] for r in points)
+    change = last['bits_per_char'] - first['bits_per_char']
+    lines.append(f"- {variant.label}: {first['bits_per_char']:.3f} at h = {first['heads']}, "
+                 f"{last['bits_per_char']:.3f} at h = {last['heads']} ({change:+.3f}; "
+                 f"spread {spread:.3f})")
+  return lines
 
 
 def _head_size(row) -> int:

@@ -19,7 +19,6 @@ available), lowercased.
 import argparse
 import gzip
 import json
-import os
 import pathlib
 import tempfile
 

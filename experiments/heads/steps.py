@@ -19,7 +19,6 @@ retrain   trains a pruned copy (a run written by evaluate) for N steps from its 
 import argparse
 import gzip
 import json
-import os
 import pathlib
 import shutil
 

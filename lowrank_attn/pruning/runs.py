@@ -29,7 +29,7 @@ import numpy as np
 
 from lowrank_attn import data as data_lib
 from lowrank_attn.pruning.heads import Keep, check_keep, prune_heads
-from lowrank_attn.reparam.runs import training_overrides, with_overrides
+from lowrank_attn.reparam.runs import with_overrides, write_model_run
 from lowrank_attn.train import checkpoints, config as config_lib, tasks
 
 PRUNING_FILE = 'pruning.json'
@@ -84,25 +84,6 @@ def _to_jax(tree):
   if isinstance(tree, dict):
     return {k: _to_jax(v) for k, v in tree.items()}
   return jnp.asarray(tree)
-
-
-def write_model_run(model: nnx.Module, workdir: str | os.PathLike,
-                    config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Writes `model` as a warm-start run (checkpoint step 0, `config.json`); returns the
-  overrides that make `config` (the config of the model it came from) build `model`."""
-  overrides = training_overrides(config, model.cfg)
-  workdir = os.path.abspath(workdir)
-  checkpointer = checkpoints.Checkpointer(workdir, keep=1, async_save=False)
-  try:
-    if checkpointer.latest_step() is not None:
-      raise ValueError(f'{workdir} already holds checkpoint step {checkpointer.latest_step()}; '
-                       'write a pruned model to a new directory.')
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    checkpointer.save(0, {'step': jnp.zeros((), jnp.int32), 'params': params}, {})
-  finally:
-    checkpointer.close()
-  checkpoints.save_config(workdir, config_lib.to_dict(with_overrides(config, overrides)))
-  return overrides
 
 
 def prune_run(source: str | os.PathLike, keep: Keep, workdir: str | os.PathLike,

@@ -256,7 +256,7 @@ def test_invalid_implementation_settings_name_the_setting(make_params):
   with blockwise.target_platform('tpu'):
     with pytest.raises(ValueError, match="does not support kind='talking_heads'"):
       call(implementation='splash')
-    concat = dataclasses.replace(spec, kind='concat')
+    concat = dataclasses.replace(spec, kind='concat', num_logit_heads=None)
     concat_params = {k: v for k, v in params.items() if 'mixing' not in k}
     with pytest.raises(ValueError, match='a boolean mask'):
       A.multi_head_attention(concat_params, x, spec=concat, mask=jnp.ones((3, 3), bool),
