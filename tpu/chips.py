@@ -3,10 +3,11 @@
     chip = chips.chip_of(jax.devices()[0].device_kind)   # 'TPU v5 lite' -> CHIPS['v5e']
     slice_ = chips.parse_accelerator_type('v5litepod-16')  # 16 chips on 4 hosts
 
-Peak and memory per chip are Google's published figures (the `source` of each entry, the
-"Peak compute per chip (bf16)" and HBM rows of the Cloud TPU system-architecture pages, read
-2025). HBM is stored in GiB: the pages write "GB", and a chip's HBM is a power of two GiB,
-except v5p's 95. These peaks are what MFU divides by on TPU (`lowrank_attn.train.metrics`).
+Peak, memory and memory bandwidth per chip are Google's published figures (the `source` of
+each entry: the "Peak compute per chip (bf16)", HBM capacity and HBM bandwidth rows of the
+Cloud TPU system-architecture pages, read 2025). HBM is stored in GiB: the pages write "GB",
+and a chip's HBM is a power of two GiB, except v5p's 95. These peaks are what MFU divides by
+on TPU (`lowrank_attn.train.metrics`).
 """
 
 import dataclasses
@@ -20,6 +21,7 @@ class Chip:
   name: str  # our short name: 'v4', 'v5e', 'v5p', 'v6e'
   hbm_bytes: int  # per chip
   peak_bf16_flops: float  # per chip, dense matrix units
+  hbm_bytes_per_sec: float  # per chip: the roofline of a memory-bound step (tpu/compile.py)
   cores_per_chip: int  # TensorCores; v4/v5p accelerator types count cores, v5e/v6e chips
   chips_per_host: int  # in a multi-host slice (one TPU VM per host)
   max_single_host_chips: int  # the largest slice on one VM
@@ -32,20 +34,24 @@ class Chip:
 
 CHIPS = {
     'v4': Chip(
-        'v4', 32 * GIB, 275e12, cores_per_chip=2, chips_per_host=4, max_single_host_chips=4,
+        'v4', 32 * GIB, 275e12, hbm_bytes_per_sec=1200e9, cores_per_chip=2, chips_per_host=4,
+        max_single_host_chips=4,
         accelerator_prefix='v4', runtime_version='tpu-ubuntu2204-base',
         device_kinds=('TPU v4',), source='https://cloud.google.com/tpu/docs/v4'),
     'v5e': Chip(
-        'v5e', 16 * GIB, 197e12, cores_per_chip=1, chips_per_host=4, max_single_host_chips=8,
+        'v5e', 16 * GIB, 197e12, hbm_bytes_per_sec=819e9, cores_per_chip=1, chips_per_host=4,
+        max_single_host_chips=8,
         accelerator_prefix='v5litepod', runtime_version='v2-alpha-tpuv5-lite',
         device_kinds=('TPU v5 lite', 'TPU v5e'), source='https://cloud.google.com/tpu/docs/v5e',
         chip_counts=(1, 4, 8, 16, 32, 64, 128, 256)),
     'v5p': Chip(
-        'v5p', 95 * GIB, 459e12, cores_per_chip=2, chips_per_host=4, max_single_host_chips=4,
+        'v5p', 95 * GIB, 459e12, hbm_bytes_per_sec=2765e9, cores_per_chip=2, chips_per_host=4,
+        max_single_host_chips=4,
         accelerator_prefix='v5p', runtime_version='v2-alpha-tpuv5',
         device_kinds=('TPU v5', 'TPU v5p'), source='https://cloud.google.com/tpu/docs/v5p'),
     'v6e': Chip(
-        'v6e', 32 * GIB, 918e12, cores_per_chip=1, chips_per_host=4, max_single_host_chips=8,
+        'v6e', 32 * GIB, 918e12, hbm_bytes_per_sec=1640e9, cores_per_chip=1, chips_per_host=4,
+        max_single_host_chips=8,
         accelerator_prefix='v6e', runtime_version='v2-alpha-tpuv6e',
         device_kinds=('TPU v6 lite', 'TPU v6e'), source='https://cloud.google.com/tpu/docs/v6e',
         chip_counts=(1, 4, 8, 16, 32, 64, 128, 256)),

@@ -58,15 +58,10 @@ import jax
 import jax.numpy as jnp
 
 from lowrank_attn.attention import core
-from lowrank_attn.attention.spec import AttentionSpec
+from lowrank_attn.attention.spec import DEFAULT_BLOCK_SIZE, IMPLEMENTATIONS, AttentionSpec
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ('xla', 'blockwise', 'cudnn', 'splash')
-# Queries and keys per block: 128 was the fastest forward+backward of 64/128/256/512 on 2
-# XLA:CPU cores at L = 512 and 4096 (batch 2, D = 512, 8 heads); fused GPU/TPU kernels choose
-# their own blocks.
-DEFAULT_BLOCK_SIZE = 128
 _PLATFORMS = {'cudnn': 'gpu', 'splash': 'tpu'}
 _target_platform: str | None = None
 

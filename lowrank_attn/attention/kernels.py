@@ -233,8 +233,8 @@ def multi_head_attention(
     return_logits: bool = False,
     dtype=None,
     precision=None,
-    implementation: str = 'xla',
-    block_size: int = blockwise.DEFAULT_BLOCK_SIZE,
+    implementation: str | None = None,
+    block_size: int | None = None,
 ) -> AttentionOutput:
   """Multi-head attention of kind `spec.kind`.
 
@@ -267,9 +267,14 @@ def multi_head_attention(
     implementation: 'xla' materialises `[batch..., heads, q_length, kv_length]`; 'blockwise'
       computes the same in O(length) memory (online softmax over key blocks, recomputing
       backward; dropout masks differ); 'cudnn' (GPU) and 'splash' (TPU) call fused kernels
-      where the kind allows. See `lowrank_attn.attention.blockwise`.
-    block_size: queries and keys per block of 'blockwise'.
+      where the kind allows. See `lowrank_attn.attention.blockwise`. Default:
+      `spec.implementation`, or 'xla' with a cache (a decoding step's logits are O(length),
+      and the fused kernels take no cache).
+    block_size: queries and keys per block of 'blockwise'; default `spec.block_size`.
   """
+  if implementation is None:
+    implementation = 'xla' if cache is not None else spec.implementation
+  block_size = spec.block_size if block_size is None else block_size
   inputs_k = inputs_q if inputs_k is None else inputs_k
   inputs_v = inputs_k if inputs_v is None else inputs_v
   _check_inputs(params, spec, inputs_q, inputs_k, inputs_v, cache)

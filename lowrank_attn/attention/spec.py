@@ -21,6 +21,12 @@ def _require_int(name: str, value, minimum: int = 1, note: str = '') -> None:
 
 
 MIXING_INITS = ('concatenate', 'all_ones', 'random')
+# How the softmax(QK^T)V part is computed (see `lowrank_attn.attention.blockwise`).
+IMPLEMENTATIONS = ('xla', 'blockwise', 'cudnn', 'splash')
+# Queries and keys per block: 128 was the fastest forward+backward of 64/128/256/512 on 2
+# XLA:CPU cores at L = 512 and 4096 (batch 2, D = 512, 8 heads); fused GPU/TPU kernels choose
+# their own blocks.
+DEFAULT_BLOCK_SIZE = 128
 GATE_INITS = ('glorot',)  # gate_log_alpha_init: a number, or one of these
 SIZE_FIELDS = ('in_features', 'out_features', 'in_kv_features')  # set by the model, not a config
 
@@ -82,6 +88,18 @@ class AttentionSpec:
       default 3.0 > log(11) makes every evaluation gate exactly 1, so a freshly gated layer
       computes what its ungated kind does; near 0 (glorot) the L0 penalty's gradient is ~10x
       stronger and evaluation gates start near 0.5.
+    implementation: how the attention weights and their weighted sum are computed; every
+      implementation gives the same outputs and gradients (up to rounding), only time and
+      memory differ (`lowrank_attn.attention.blockwise`):
+      'xla': materialises the logits `[batch, heads, q_length, kv_length]` (the only one that
+        can return attention weights or logits).
+      'blockwise': any backend, in O(length) memory: key blocks with an online softmax and a
+        recomputing backward pass; causal attention skips the blocks above the diagonal.
+        Attention dropout draws different (per-block) masks than 'xla'.
+      'cudnn' (GPU) and 'splash' (TPU): fused kernels, for the kinds and options they support
+        (checked when called, on the backend that runs them).
+      Decoding with a cache always computes as 'xla' (a step's logits are O(length)).
+    block_size: queries and keys per block of 'blockwise'.
   """
 
   num_heads: int | tuple[int, ...]
@@ -103,6 +121,8 @@ class AttentionSpec:
   gate_stretch: tuple[float, float] = HardConcrete.stretch
   gate_log_alpha_init: float | str = 3.0
   num_logit_heads: int | tuple[int, ...] | None = None
+  implementation: str = 'xla'
+  block_size: int = DEFAULT_BLOCK_SIZE
 
   def __post_init__(self):
     for name in ('num_heads', 'num_logit_heads', 'gate_stretch'):  # lists from JSON: hashable
@@ -112,6 +132,10 @@ class AttentionSpec:
       raise ValueError(f'kind={self.kind!r} is not one of {KINDS}.')
     if self.mixing_init not in MIXING_INITS:
       raise ValueError(f'mixing_init={self.mixing_init!r} is not one of {MIXING_INITS}.')
+    if self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(
+          f'implementation={self.implementation!r} is not one of {IMPLEMENTATIONS}.')
+    _require_int('block_size', self.block_size)
     if not (isinstance(self.dropout_rate, (int, float)) and 0.0 <= self.dropout_rate < 1.0):
       raise ValueError(f'dropout_rate={self.dropout_rate!r} must be in [0, 1).')
     init = self.gate_log_alpha_init

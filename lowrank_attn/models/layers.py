@@ -168,21 +168,22 @@ class TransformerLayer(nnx.Module):
       x = norm(x + self.dropout(branch(x), deterministic=deterministic, rngs=rngs))
     return constrain(x, ('batch', 'length', 'embed'))
 
-  def __call__(self, x: Array, *, mask: Array | None, encoded: Array | None = None,
-               cross_mask: Array | None = None, deterministic: bool,
+  def __call__(self, x: Array, *, mask: Array | None, is_causal: bool = False,
+               encoded: Array | None = None, cross_mask: Array | None = None, deterministic: bool,
                rngs: nnx.Rngs | None, decode: bool = False,
                head_masks: tuple[Array | None, Array | None] = (None, None),
                return_weights: bool = False,
                return_logits: bool = False) -> tuple[Array, dict[str, dict[str, Array]]]:
     """The new activations, and `{'weights'|'logits': {'self'|'cross': [b, h, q, k]}}` of what
-    was requested."""
+    was requested. `is_causal`: self-attention also hides later positions (not when decoding:
+    the cache does)."""
     extras = {'weights': {}, 'logits': {}}
 
-    def attend(layer, name, head_mask, kv=None, kv_mask=None, decode=False):
+    def attend(layer, name, head_mask, kv=None, kv_mask=None, is_causal=False, decode=False):
       def branch(h):
-        out = layer(h, kv, mask=kv_mask, deterministic=deterministic, rngs=rngs,
-                    decode=decode, head_mask=head_mask, return_weights=return_weights,
-                    return_logits=return_logits)
+        out = layer(h, kv, mask=kv_mask, is_causal=is_causal, deterministic=deterministic,
+                    rngs=rngs, decode=decode, head_mask=head_mask,
+                    return_weights=return_weights, return_logits=return_logits)
         if return_logits:
           out, weights, extras['logits'][name] = out
           if return_weights:
@@ -194,7 +195,8 @@ class TransformerLayer(nnx.Module):
 
     x = self._residual(
         x, self.self_attention_norm,
-        attend(self.self_attention, 'self', head_masks[0], kv_mask=mask, decode=decode),
+        attend(self.self_attention, 'self', head_masks[0], kv_mask=mask, is_causal=is_causal,
+               decode=decode),
         deterministic, rngs)
     if self.cross_attention is not None:
       x = self._residual(

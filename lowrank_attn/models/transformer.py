@@ -13,6 +13,10 @@ Every model returns `(logits, aux)`:
 its gradient at ones is the head importance of Michel et al. (2019), and 0/1 values prune.
 Layers are a Python list, not a scanned stack: pruning leaves layers with different head
 counts, and per-layer caches, weights and masks stay simple.
+
+Decoder self-attention is causal by `is_causal=True`, not by a `[q, kv]` causal mask: with
+`implementation='blockwise'` each block builds its part from positions and the blocks above
+the diagonal are skipped ('xla' builds the full mask itself).
 """
 
 from collections.abc import Mapping, Sequence
@@ -21,7 +25,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from lowrank_attn.attention import causal_mask, combine_masks, padding_mask, segment_mask
+from lowrank_attn.attention import segment_mask
 from lowrank_attn.models.config import TransformerConfig
 from lowrank_attn.models.layers import (
     ACTIVATIONS, InputEmbedding, LayerNorm, TokenEmbedding, TransformerLayer, dense_2d)
@@ -49,7 +53,10 @@ def _mlp_flops(cfg: TransformerConfig, tokens: int) -> int:
 
 
 class Stack(nnx.Module):
-  """Input embedding, `num_layers` transformer layers, final LayerNorm (pre-LN only)."""
+  """Input embedding, `num_layers` transformer layers, final LayerNorm (pre-LN only).
+
+  A 'decoder' stack's self-attention is causal.
+  """
 
   def __init__(self, cfg: TransformerConfig, attention_type: str, num_layers: int,
                tokens: TokenEmbedding, *, cross: bool = False, rngs: nnx.Rngs):
@@ -68,8 +75,9 @@ class Stack(nnx.Module):
     collected = {'attention_weights': {}, 'attention_logits': {}}
     for i, layer in enumerate(self.layers):
       x, extras = layer(
-          x, mask=mask, encoded=encoded, cross_mask=cross_mask, deterministic=deterministic,
-          rngs=rngs, decode=decode, return_weights=return_weights, return_logits=return_logits,
+          x, mask=mask, is_causal=self.attention_type == 'decoder', encoded=encoded,
+          cross_mask=cross_mask, deterministic=deterministic, rngs=rngs, decode=decode,
+          return_weights=return_weights, return_logits=return_logits,
           head_masks=(_layer_mask(head_masks, self.attention_type, i),
                       _layer_mask(head_masks, 'cross', i)))
       for what, per_name in (('attention_weights', extras['weights']),
@@ -176,8 +184,7 @@ class DecoderLM(_Model):
       positions = _positions(inputs, positions, start=self.decoder.cache_index())
     else:
       segments = (inputs != 0).astype(jnp.int32) if segment_ids is None else segment_ids
-      mask = combine_masks(segment_mask(segments, segments),
-                           causal_mask(inputs.shape[-1])[None, None])
+      mask = segment_mask(segments, segments)  # and causal: a decoder stack
     x, extras = self.decoder(inputs, _positions(inputs, positions), mask=mask,
                              deterministic=deterministic, rngs=rngs, decode=decode,
                              head_masks=head_masks, return_weights=return_weights,
@@ -295,8 +302,7 @@ class EncoderDecoder(_Model):
       self_mask = None
       positions = _positions(decoder_inputs, positions, start=self.decoder.cache_index())
     else:
-      self_mask = combine_masks(segment_mask(target_segment_ids, target_segment_ids),
-                                causal_mask(decoder_inputs.shape[-1])[None, None])
+      self_mask = segment_mask(target_segment_ids, target_segment_ids)  # and causal
     x, extras = self.decoder(
         decoder_inputs, _positions(decoder_inputs, positions), mask=self_mask, encoded=encoded,
         cross_mask=cross_mask, deterministic=deterministic, rngs=rngs, decode=decode,

@@ -55,7 +55,9 @@ class MultiHeadAttention(nnx.Module):
   the fields of `lowrank_attn.attention.AttentionSpec`, passed as keywords (`**options`) and
   documented there once: `kind`, `head_dim` (fixed_head, Bhojanapalli et al. 2020), `key_dim`
   and `mixing_init` (collaborative, Cordonnier et al. 2020), `logit_scale`, `gated` and the
-  `gate_*` settings (Voita et al. 2019; `l0_penalty()` is the expected number of open gates).
+  `gate_*` settings (Voita et al. 2019; `l0_penalty()` is the expected number of open gates),
+  `implementation` and `block_size` ('blockwise': O(length) memory; attention weights and
+  logits then cannot be returned, and decoding with a cache computes as 'xla').
   Talking-heads mixing starts at the identity, where the layer equals concat.
   `MultiHeadAttention.from_spec(spec, rngs=...)` builds the layer a spec describes.
   """
@@ -245,7 +247,8 @@ class MultiHeadAttention(nnx.Module):
       return_weights: return `(out, weights)`, weights float32 `[batch..., heads, q, kv]`.
       return_logits: return `(out, weights, logits)`, logits float32 `[batch..., heads, q, kv]`
         before the softmax and masking (weights None unless also requested).
-    In decode mode the call may hold one position or a chunk of several.
+    In decode mode the call may hold one position or a chunk of several; it computes as
+    implementation='xla' whatever the spec says (see `multi_head_attention`).
     """
     if out_sharding is not None or qkv_sharding is not None:
       raise ValueError('out_sharding/qkv_sharding are not supported: the layer is sharded '
@@ -258,6 +261,9 @@ class MultiHeadAttention(nnx.Module):
     decode = bool(decode if decode is not None else self.decode)
 
     spec = self.spec
+    if sow_weights and not decode and spec.implementation != 'xla':
+      raise ValueError("sow_weights=True needs implementation='xla', not "
+                       f'{spec.implementation!r}: only it materialises the attention weights.')
     stochastic_parts = self.dropout_rate > 0.0 or spec.gated
     if stochastic_parts:
       deterministic = deterministic if deterministic is not None else self.deterministic
@@ -288,8 +294,7 @@ class MultiHeadAttention(nnx.Module):
         is_causal=is_causal and not decode, head_mask=head_mask, cache=cache, rng=rng,
         dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
         deterministic=deterministic, return_weights=return_weights or sow_weights,
-        return_logits=return_logits,
-        dtype=self.dtype, precision=self.precision)
+        return_logits=return_logits, dtype=self.dtype, precision=self.precision)
 
     if decode:
       self.cached_key[...] = result.cache['key']

@@ -4,8 +4,8 @@
     state = create_state(s)                          # created in its shards (or warm-started)
     train, evaluate = compile_steps(s, train_spec, eval_spec)
 
-Used by `train_and_evaluate`, the benchmarks and the TPU compile check, so that all of them
-run the same code path.
+Used by `train_and_evaluate`, the benchmarks and the TPU compile check (`tpu/compile.py`,
+through `lower_steps`), so that all of them run the same code path.
 """
 
 from collections.abc import Mapping
@@ -61,6 +61,14 @@ class Setup:
   def flops(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> int:
     """Forward matmul FLOPs of a batch of these shapes."""
     return self.task.flops(self.abstract_model, batch_shapes)
+
+  def step_flops(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """Matmul FLOPs of a training step on a global batch of these shapes: 3x the forward
+    (the backward is ~2x) of each of its grad_accum_steps micro-batches."""
+    k = self.config.grad_accum_steps
+    micro_shapes = {name: (shape[0] // k,) + tuple(shape[1:])
+                    for name, shape in batch_shapes.items()}
+    return 3 * self.flops(micro_shapes) * k
 
 
 def parameter_path(path) -> str:
@@ -204,9 +212,9 @@ def _abstract_batch(shapes, dtypes, shardings):
   return {k: jax.ShapeDtypeStruct(shapes[k], dtypes[k], sharding=shardings[k]) for k in shapes}
 
 
-def compile_steps(s: Setup, train_spec: Mapping[str, Any], eval_spec: Mapping[str, Any] | None
-                  = None, process_count: int = 1):
-  """(train_step, eval_step) compiled ahead of the loop for the pipelines' batch specs.
+def lower_steps(s: Setup, train_spec: Mapping[str, Any], eval_spec: Mapping[str, Any] | None
+                = None, process_count: int = 1):
+  """(train_step, eval_step) lowered for the pipelines' batch specs, not yet compiled.
 
   `*_spec`: name -> (shape, dtype) of a process's batches (a pipeline's `element_spec`).
   The state is donated; shardings are explicit on every argument and result.
@@ -230,6 +238,12 @@ def compile_steps(s: Setup, train_spec: Mapping[str, Any], eval_spec: Mapping[st
       functools.partial(steps.eval_step, options=s.options),
       in_shardings=(s.state_shardings['params'], eval_shardings), out_shardings=replicated)
   with s.activate():
-    train = train.lower(s.abstract_state, train_batch, key).compile()
-    evaluate = evaluate.lower(s.abstract_state['params'], eval_batch).compile()
-  return train, evaluate
+    return (train.lower(s.abstract_state, train_batch, key),
+            evaluate.lower(s.abstract_state['params'], eval_batch))
+
+
+def compile_steps(s: Setup, train_spec: Mapping[str, Any], eval_spec: Mapping[str, Any] | None
+                  = None, process_count: int = 1):
+  """(train_step, eval_step) compiled ahead of the loop (`lower_steps`, then XLA)."""
+  train, evaluate = lower_steps(s, train_spec, eval_spec, process_count)
+  return train.compile(), evaluate.compile()

@@ -81,11 +81,17 @@ def _initialize_distributed(config) -> None:
     logging.warning('jax.distributed.initialize() failed (%s); continuing as a single host.', e)
 
 
-def _peak_flops(config, dtype) -> float:
+def _peak_flops(config, dtype) -> metrics_lib.PeakFlops:
+  """Peak FLOP/s of all devices, saying where the per-device figure came from: the config,
+  the chip's published peak (TPU) or measured matmuls (`metrics.peak_flops_per_device`)."""
   per_device = config.peak_flops_per_device
   if per_device is None:
-    per_device = metrics_lib.measure_peak_flops_per_device(dtype)
-  return per_device * jax.device_count()
+    per_device = metrics_lib.peak_flops_per_device(dtype)
+  else:
+    per_device = metrics_lib.PeakFlops(per_device, 'config.peak_flops_per_device')
+  return metrics_lib.PeakFlops(per_device * jax.device_count(),
+                               f'{jax.device_count()} x {per_device / 1e9:,.0f} GFLOP/s, '
+                               f'{per_device.source}')
 
 
 def _host_metrics(pending: list[tuple[int, dict[str, jax.Array]]], directory: str,
@@ -211,13 +217,10 @@ def _start(s, checkpointer, train_data, writer):
 def _progress(s, train_data) -> metrics_lib.Progress:
   config = s.config
   shapes = state_lib.element_shapes(train_data.element_spec, jax.process_count())
-  k = config.grad_accum_steps
-  micro_shapes = {name: (shape[0] // k,) + shape[1:] for name, shape in shapes.items()}
-  flops_per_step = 3 * s.flops(micro_shapes) * k
+  flops_per_step = s.step_flops(shapes)
   peak = _peak_flops(config, s.model_cfg.compute_dtype)
-  source = 'given' if config.peak_flops_per_device else 'measured'
   metrics_lib.say(f'{flops_per_step / 1e9:.2f} GFLOP per step (3x forward matmuls), peak '
-                  f'{peak / 1e9:.0f} GFLOP/s ({source})')
+                  f'{peak / 1e9:,.0f} GFLOP/s ({peak.source})')
   return metrics_lib.Progress(
       num_train_steps=config.num_train_steps,
       tokens_per_step=int(np.prod(shapes['inputs'][:2])), flops_per_step=flops_per_step,

@@ -44,3 +44,19 @@ def test_progress_line_shows_achieved_gflops_beside_mfu(capsys, monkeypatch):
   assert rates['mfu'] == pytest.approx(0.3)
   progress.show(4, 1.5, rates)
   assert '6 GFLOP/s = MFU 30.0%' in capsys.readouterr().out
+
+
+def test_training_loop_divides_by_the_chips_published_peak(monkeypatch):
+  """train.py's peak: on TPU the chip's figure (not a matmul probe), with its source."""
+  from lowrank_attn.train import config as config_lib, train
+  v5e = types.SimpleNamespace(platform='tpu', device_kind='TPU v5 lite')
+  monkeypatch.setattr(jax, 'local_devices', lambda: [v5e])
+  config = config_lib.base_config('lm')
+  peak = train._peak_flops(config, jax.numpy.float32)
+  assert float(peak) == jax.device_count() * 197e12
+  assert peak.source.startswith(f'{jax.device_count()} x 197,000 GFLOP/s, published bf16 peak '
+                                'of v5e (https://cloud.google.com/tpu/docs/v5e)')
+  config.peak_flops_per_device = 1e11
+  peak = train._peak_flops(config, jax.numpy.float32)
+  assert float(peak) == jax.device_count() * 1e11
+  assert peak.source.endswith('config.peak_flops_per_device')
