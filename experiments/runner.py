@@ -15,6 +15,10 @@ with the run's seed, config, command, wall time, machine and collected metrics. 
 runs with a DONE file and starts the others again; our training CLI resumes from the
 checkpoints in its workdir, so an interrupted training run continues where it stopped.
 `results.json` in the experiment folder is rebuilt from the DONE files after every finished run.
+Each attempt records the code it ran (`code`: the commit of the commands' checkout and the
+tracked files modified in it), because a command imports the code anew at every (re)start: a
+grid run from a tree someone is editing says so in its log, its attempts and its DONE entry.
+Run long grids from a checkout nobody edits (`git worktree add ../exp HEAD`).
 
 `python -m experiments.runner status RUNS_DIR` lists the state of each run directory.
 """
@@ -51,7 +55,7 @@ RESULT_FILE = 'result.json'  # optional: whatever a command wants to report itse
 RUNS_ENV = 'LOWRANK_ATTN_RUNS'  # root of run directories that outlive the work tree
 _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._=,+-]{0,199}')
 _ENTRY_KEYS = ('name', 'seed', 'config', 'command', 'wall_time_s', 'wall_time_total_s',
-               'attempts', 'finished', 'machine')
+               'attempts', 'finished', 'machine', 'code')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +153,20 @@ def machine() -> dict[str, Any]:
     except importlib.metadata.PackageNotFoundError:
       pass
   return info
+
+
+def code_version(checkout: str | os.PathLike) -> dict[str, Any]:
+  """The code a command started in `checkout` runs: `commit` (None outside git) and
+  `modified`, the tracked files that differ from it (untracked files are not listed)."""
+
+  def git(*args):
+    return subprocess.run(['git', '-C', str(checkout), *args], capture_output=True, text=True)
+
+  head = git('rev-parse', 'HEAD')
+  if head.returncode != 0:
+    return {'commit': None, 'modified': []}
+  status = git('status', '--porcelain', '--untracked-files=no').stdout.splitlines()
+  return {'commit': head.stdout.strip(), 'modified': sorted(line[3:] for line in status)}
 
 
 def default_runs_dir(experiment: str) -> pathlib.Path:
@@ -322,7 +340,8 @@ class _Grid:
       log.write(f'=== attempt {number} at {_now()}: {_quote(argv)}\n'.encode())
       log.flush()
       offset = log.tell()
-      _append_jsonl(rundir / ATTEMPTS_FILE, {'attempt': number, 'start': _now()})
+      code = code_version(self.cwd)
+      _append_jsonl(rundir / ATTEMPTS_FILE, {'attempt': number, 'start': _now(), 'code': code})
       start = time.monotonic()
       try:
         # Own session: a terminal's Ctrl-C reaches only the grid, which stops commands with
@@ -340,6 +359,10 @@ class _Grid:
     os.write(lock_fd, f'command pid {proc.pid}\n'.encode())
     _say(f'grid: start {run.name} (attempt {number}{", resuming" if number > 1 else ""}), '
          f'log {rundir / LOG_FILE}')
+    if code['modified']:
+      _say(f'grid: warning: {run.name} runs the uncommitted changes to '
+           f'{", ".join(code["modified"])} in {self.cwd}: edits made while it runs reach it '
+           'at its next (re)start.')
     return _Attempt(run, rundir, number, proc, lock_fd, offset, start)
 
   def _finish(self, attempt: _Attempt) -> None:
@@ -349,7 +372,8 @@ class _Grid:
       _append_jsonl(rundir / ATTEMPTS_FILE, {'attempt': attempt.number, 'end': _now(),
                                              'returncode': code, 'wall_time_s': wall})
       # Attempts whose grid was killed outright wrote no end: a lower bound then.
-      total = sum(a.get('wall_time_s', 0.0) for a in _read_jsonl(rundir / ATTEMPTS_FILE))
+      attempts = _read_jsonl(rundir / ATTEMPTS_FILE)
+      total = sum(a.get('wall_time_s', 0.0) for a in attempts)
       if code != 0:
         self._fail(run, rundir, f'{_describe_exit(code)} after {wall:.1f} s',
                    tail=_tail(rundir / LOG_FILE, attempt.log_offset, self.tail_lines))
@@ -363,7 +387,8 @@ class _Grid:
       entry = {'name': run.name, 'seed': run.seed, 'config': dict(run.config),
                'command': list(run.command), 'wall_time_s': wall,
                'wall_time_total_s': round(total, 3), 'attempts': attempt.number,
-               'finished': _now(), 'machine': self.machine, **collected}
+               'finished': _now(), 'machine': self.machine,
+               'code': [a['code'] for a in attempts if 'code' in a], **collected}
       _write_json(rundir / DONE_FILE, entry)  # the run counts as finished from here on
       self.done[run.name] = entry
       self.failed.pop(run.name, None)

@@ -133,7 +133,7 @@ def test_rerun_waits_for_a_command_that_outlived_its_killed_grid(tmp_path):
       open(path, 'a').write(f'start{{attempt}} ')
       if attempt == 1:
         def save(signum, frame):
-          time.sleep(0.5)
+          time.sleep(3)  # longer than the rerun takes to start, even on a loaded machine
           open(path, 'a').write('saved1 ')
           sys.exit(143)
         signal.signal(signal.SIGTERM, save)
@@ -310,3 +310,31 @@ def test_write_section_replaces_only_between_markers(tmp_path):
       '# X\n\n<!-- results -->\n| a |\n|---|\n<!-- /results -->\n\nAfter.\n')
   with pytest.raises(ValueError, match='<!-- plots -->'):
     runner.write_section(readme, 'plots', 'x')
+
+
+def test_each_run_records_the_commit_and_the_uncommitted_changes_it_ran(tmp_path):
+  checkout = tmp_path / 'checkout'
+  checkout.mkdir()
+  git = lambda *args: subprocess.run(['git', '-C', str(checkout), *args], check=True,
+                                     capture_output=True, text=True).stdout.strip()
+  git('init', '-q')
+  (checkout / 'model.py').write_text('scale = 1.0\n')
+  (checkout / 'notes.txt').write_text('untracked files are not code\n')
+  git('add', 'model.py')
+  git('-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-q', '-m', 'model')
+  commit = git('rev-parse', 'HEAD')
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  clean = runner.run_grid([runner.Run('clean', py('pass'))], out, runs_dir=runs_dir,
+                          cwd=checkout)
+  assert clean['runs'][0]['code'] == [{'commit': commit, 'modified': []}]
+
+  (checkout / 'model.py').write_text('scale = 2.0\n')  # edited while the grid goes on
+  edited = runner.run_grid([runner.Run('edited', py('pass'))], out, runs_dir=runs_dir,
+                           cwd=checkout)
+  assert edited['runs'][0]['code'] == [{'commit': commit, 'modified': ['model.py']}]
+  attempts = [json.loads(line) for line in (runs_dir / 'edited' / 'attempts.jsonl').open()]
+  assert attempts[0]['code']['modified'] == ['model.py']
+
+
+def test_code_outside_git_has_no_commit(tmp_path):
+  assert runner.code_version(tmp_path) == {'commit': None, 'modified': []}
