@@ -16,7 +16,7 @@ runs with a DONE file and starts the others again; our training CLI resumes from
 checkpoints in its workdir, so an interrupted training run continues where it stopped.
 `results.json` in the experiment folder is rebuilt from the DONE files after every finished run.
 Each attempt records the code it ran (`code`: the commit of the commands' checkout and the
-tracked files modified in it), because a command imports the code anew at every (re)start: a
+tracked Python files modified in it), because a command imports the code anew at every (re)start: a
 grid run from a tree someone is editing says so in its log, its attempts and its DONE entry.
 Run long grids from a checkout nobody edits (`git worktree add ../exp HEAD`).
 
@@ -157,7 +157,8 @@ def machine() -> dict[str, Any]:
 
 def code_version(checkout: str | os.PathLike) -> dict[str, Any]:
   """The code a command started in `checkout` runs: `commit` (None outside git) and
-  `modified`, the tracked files that differ from it (untracked files are not listed)."""
+  `modified`, the tracked Python files that differ from it (not the results, READMEs and plots
+  that grids write, nor untracked files)."""
 
   def git(*args):
     return subprocess.run(['git', '-C', str(checkout), *args], capture_output=True, text=True)
@@ -166,7 +167,8 @@ def code_version(checkout: str | os.PathLike) -> dict[str, Any]:
   if head.returncode != 0:
     return {'commit': None, 'modified': []}
   status = git('status', '--porcelain', '--untracked-files=no').stdout.splitlines()
-  return {'commit': head.stdout.strip(), 'modified': sorted(line[3:] for line in status)}
+  modified = sorted(path for path in (line[3:] for line in status) if path.endswith('.py'))
+  return {'commit': head.stdout.strip(), 'modified': modified}
 
 
 def default_runs_dir(experiment: str) -> pathlib.Path:

@@ -329,6 +329,8 @@ def test_each_run_records_the_commit_and_the_uncommitted_changes_it_ran(tmp_path
   assert clean['runs'][0]['code'] == [{'commit': commit, 'modified': []}]
 
   (checkout / 'model.py').write_text('scale = 2.0\n')  # edited while the grid goes on
+  (checkout / 'results.json').write_text('{}')  # what grids write is not code
+  git('add', 'results.json')
   edited = runner.run_grid([runner.Run('edited', py('pass'))], out, runs_dir=runs_dir,
                            cwd=checkout)
   assert edited['runs'][0]['code'] == [{'commit': commit, 'modified': ['model.py']}]
