@@ -10,7 +10,7 @@ ifneq ($(wildcard ../shared/data/.),)
 export LOWRANK_ATTN_DATA ?= $(abspath ../shared/data)
 endif
 
-.PHONY: train test test-all test-tpu bench format venv
+.PHONY: train test test-all test-gpu test-tpu bench format venv
 
 venv: $(STAMP)
 
@@ -32,10 +32,16 @@ train: $(STAMP)
 PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadscope
 
 test: $(STAMP)
-	$(PYTEST) -m "not slow" tests
+	$(PYTEST) -m "not slow and not gpu" tests
 
 test-all: $(STAMP)
-	$(PYTEST) tests
+	$(PYTEST) -m "not gpu" tests
+
+# The GPU tests (tests/gpu: cuDNN attention against the materialising path), on a machine with
+# an NVIDIA GPU and a CUDA jax (`pip install -e '.[dev]' 'jax[cuda13]'`); they fail, not skip,
+# without one.
+test-gpu:
+	JAX_PLATFORMS=cuda $(PY) -m pytest -q -m gpu tests/gpu
 
 # The TPU tests (tests/tpu, slow ones included): AOT compiles for TPU slices on this machine.
 # They need libtpu, i.e. the TPU jax wheel, which lives in its own virtualenv so that .venv

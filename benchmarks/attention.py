@@ -63,9 +63,10 @@ LONG_LENGTHS = (512, 1024, 2048, 4096, 8192)
 LONG_BATCH, LONG_D, LONG_HEADS = 2, 512, 8  # head_dim 64; flax needs 4.1 GB at L = 4096
 
 
-def long_kinds(D: int, h: int) -> dict[str, dict]:
-  """Layer settings of the --long table (all but 'concat (xla)' blockwise), by label."""
-  return {
+def long_kinds(D: int, h: int, cudnn: bool = False) -> dict[str, dict]:
+  """Layer settings of the --long table (blockwise unless the label names another
+  implementation), by label. `cudnn`: add the kinds cuDNN computes (GPU, 16-bit dtypes)."""
+  settings = {
       'concat (xla)': dict(implementation='xla'),
       'concat': dict(),
       f'grouped-query kv={h // 4}': dict(num_kv_heads=h // 4),
@@ -75,6 +76,25 @@ def long_kinds(D: int, h: int) -> dict[str, dict]:
       'talking_heads': dict(kind='talking_heads'),
       'concat + gates': dict(gated=True, deterministic=False),
   }
+  if cudnn:
+    settings |= {
+        'concat (cudnn)': dict(implementation='cudnn'),
+        f'grouped-query kv={h // 4} (cudnn)': dict(num_kv_heads=h // 4, implementation='cudnn'),
+        f'fixed_head d={2 * D // h} (cudnn)': dict(kind='fixed_head', head_dim=2 * D // h,
+                                                    implementation='cudnn'),
+    }
+  return settings
+
+
+def cudnn_attention_fn(query, key, value, bias=None, mask=None, **unused):
+  """flax.nnx.MultiHeadAttention's `attention_fn` as cuDNN's fused attention (no dropout)."""
+  del unused
+  return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
+                                      implementation='cudnn')
+
+
+def uses_cudnn(dtype) -> bool:
+  return jax.default_backend() == 'gpu' and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
 
 @dataclasses.dataclass
@@ -150,7 +170,7 @@ def compile_kernel(layer, x, implementation, block_size):
   def loss(params, x, rng):
     out = attention.multi_head_attention(
         params, x, spec=spec, is_causal=True, rng=rng, deterministic=deterministic,
-        implementation=implementation, block_size=block_size).out
+        implementation=implementation, block_size=block_size, dtype=x.dtype).out
     return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
   args = (params, x, jax.random.key(0))
@@ -181,7 +201,11 @@ def bench_long(length, args, dtype):
   programs, specs = {}, {}
   programs['flax.nnx'] = compile_flax(
       nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype, rngs=nnx.Rngs(0)), x)
-  for label, options in long_kinds(D, h).items():
+  if uses_cudnn(dtype):  # the peer at its best on a GPU: flax's layer calling cuDNN
+    programs['flax.nnx (cudnn)'] = compile_flax(
+        nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype, rngs=nnx.Rngs(0),
+                               attention_fn=cudnn_attention_fn), x)
+  for label, options in long_kinds(D, h, cudnn=uses_cudnn(dtype)).items():
     options = dict(options)
     implementation = options.pop('implementation', 'blockwise')
     layer = MultiHeadAttention(h, D, dtype=dtype, rngs=nnx.Rngs(0), **options)
@@ -217,8 +241,9 @@ def main_long(args, dtype):
       f'Long sequences: causal self-attention forward+backward (gradients w.r.t. parameters '
       f'and inputs), batch {args.long_batch}, D = {args.long_dim}, {args.long_heads} heads, '
       f'{args.dtype}, {args.clock} time, median of {args.repeats} interleaved repetitions. '
-      f"Ours: implementation='blockwise', block_size={args.block_size}, except 'concat (xla)' "
-      f"(materialising). Temp MB: XLA's compile-time temporary memory of the program "
+      f"Ours: implementation='blockwise', block_size={args.block_size}, except where the "
+      f"label names 'xla' (materialising) or 'cudnn' (cuDNN's fused kernel, GPU). Temp MB: "
+      "XLA's compile-time temporary memory of the program "
       f'(memory_analysis); programs above {args.max_temp_gb} GB are not run. FLOPs / concat '
       'counts only visible (causal) token pairs; GFLOP/s = 3 x forward matmul FLOPs / time.',
       f'Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '

@@ -483,6 +483,11 @@ def final(results: Mapping[str, Any], split: str | None = None) -> list[dict[str
   return rows
 
 
+def bleu_of(metrics: Mapping[str, Any]) -> float | None:
+  """A translation evaluation's BLEU: beam search's where it ran, else greedy's, else None."""
+  return metrics.get('bleu', metrics.get('bleu_greedy'))
+
+
 def history(results: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
   """One row per (run, metrics line of `split`): learning curves, with each run's config."""
   return [{**_run_row(run), **line} for run in results['runs']

@@ -45,6 +45,8 @@ def missing_setup() -> list[str]:
 
 
 def pytest_configure(config):
+  if config.option.markexpr == 'gpu':  # `make test-gpu`: attention kernels alone, no data
+    return
   problems = missing_setup()
   if problems:
     pytest.exit('cannot run the test suite:\n  ' + '\n  '.join(problems),

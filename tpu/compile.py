@@ -43,6 +43,7 @@ from ml_collections import config_flags
 import numpy as np
 
 from lowrank_attn import data
+from lowrank_attn.attention import blockwise
 from lowrank_attn.data import tokenizers, transforms
 from lowrank_attn.train import config as config_lib, state as state_lib
 
@@ -305,7 +306,8 @@ def compile_train_step(config, topology: str, *, name: str = 'config',
                       bos_id=tokenizers.BOS_ID, devices=devices)
   spec = batch_spec(config, len(devices))
   start = time.perf_counter()
-  lowered, _ = state_lib.lower_steps(s, spec)
+  with blockwise.target_platform('tpu'):  # implementation='splash' checks for a TPU
+    lowered, _ = state_lib.lower_steps(s, spec)
   try:
     compiled = lowered.compile()
   except Exception as e:  # XlaRuntimeError; its type is not public API

@@ -121,14 +121,11 @@ def main():
   report(results, sizes, args)
 
 
-def bleu_of(metrics: dict) -> float | None:
-  return metrics.get('bleu', metrics.get('bleu_greedy'))
-
-
 def report(results, sizes, args) -> None:
   rows = []
   for test, validation in zip(runner.final(results, 'test'), runner.final(results, 'validation')):
-    rows.append({**test, 'bleu_test': bleu_of(test), 'bleu_validation': bleu_of(validation),
+    rows.append({**test, 'bleu_test': runner.bleu_of(test),
+                 'bleu_validation': runner.bleu_of(validation),
                  **sizes[test['kind'], test['key_width']]})
   rows = [r for r in rows if r['bleu_test'] is not None]
   if not rows:

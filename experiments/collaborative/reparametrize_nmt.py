@@ -105,17 +105,14 @@ def main():
   report(results, errors, args)
 
 
-def bleu_of(metrics: dict) -> float | None:
-  return metrics.get('bleu', metrics.get('bleu_greedy'))
-
-
 def report(results, errors, args) -> None:
   rows = {}
   for test, validation in zip(runner.final(results, 'test'), runner.final(results, 'validation')):
     key = (test['method'], test['key_dim'])
     row = rows.setdefault(key, {'method': key[0], 'key_dim': key[1]})
     when = 'after' if test['finetuned'] else 'before'
-    row[f'test_{when}'], row[f'validation_{when}'] = bleu_of(test), bleu_of(validation)
+    row[f'test_{when}'] = runner.bleu_of(test)
+    row[f'validation_{when}'] = runner.bleu_of(validation)
     row[f'loss_{when}'] = validation.get('loss')
     name = f'{key[0]}-k{key[1]}'
     if name in errors:

@@ -1,14 +1,18 @@
 """Validation and test BLEU of a translation run: last checkpoint vs the mean of the last K,
 at two length penalties (the choice is made on validation, then read off test).
 
-    python -m experiments.multi30k.final_scores --workdir=/work/runs/multi30k/base
+    python -m experiments.multi30k.final_scores --workdir=/work/runs/multi30k/base \
+        --out=experiments/multi30k/final_scores
 
-Prints a markdown table (sacreBLEU, cased, detokenized; beam 4).
+Prints a markdown table (sacreBLEU, cased, detokenized; beam 4); with --out also writes it to
+DIR/final_scores.md and every score to DIR/results.json.
 """
 
 import argparse
 import gzip
+import json
 import os
+import pathlib
 
 import jax
 
@@ -28,6 +32,7 @@ def main():
   parser.add_argument('--average_last', type=int, default=3)
   parser.add_argument('--length_penalties', default='0.6,1.0')
   parser.add_argument('--splits', default='val,test_2016_flickr')
+  parser.add_argument('--out', help='folder for final_scores.md and results.json')
   args = parser.parse_args()
   data_dir = os.path.join(os.environ['LOWRANK_ATTN_DATA'], 'multi30k')
   config = translate.run_config(args.workdir)
@@ -40,9 +45,11 @@ def main():
                 f'mean of {", ".join(map(str, steps))}': jax.tree.map(
                     lambda *x: sum(x) / len(x), *params)}
   splits = args.splits.split(',')
-  print('| parameters | length penalty | ' + ' | '.join(f'{s} BLEU | {s} chrF2' for s in splits)
-        + ' |')
-  print('|---|---:|' + '---:|---:|' * len(splits))
+  lines = ['| parameters | length penalty | '
+           + ' | '.join(f'{s} BLEU | {s} chrF2' for s in splits) + ' |',
+           '|---|---:|' + '---:|---:|' * len(splits)]
+  print('\n'.join(lines), flush=True)
+  results = []
   for name, p in candidates.items():
     for alpha in map(float, args.length_penalties.split(',')):
       translator = decode.Translator(
@@ -54,8 +61,17 @@ def main():
         scores = decode.score(translator.translate(read(f'{data_dir}/{split}.en.gz')).texts,
                               read(f'{data_dir}/{split}.de.gz'))
         cells += [f'{scores["bleu"]:.2f}', f'{scores["chrf"]:.2f}']
-      print(f'| {name} | {alpha} | ' + ' | '.join(cells) + ' |', flush=True)
-  print(f'\n{scores["bleu_signature"]}\n{scores["chrf_signature"]}')
+        results.append({'workdir': args.workdir, 'parameters': name, 'length_penalty': alpha,
+                        'beam_size': 4, 'split': split, **scores})
+      lines.append(f'| {name} | {alpha} | ' + ' | '.join(cells) + ' |')
+      print(lines[-1], flush=True)
+  lines += ['', scores['bleu_signature'], scores['chrf_signature']]
+  print('\n'.join(lines[-3:]))
+  if args.out:
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'final_scores.md').write_text('\n'.join(lines) + '\n')
+    (out / 'results.json').write_text(json.dumps(results, indent=1) + '\n')
 
 
 if __name__ == '__main__':

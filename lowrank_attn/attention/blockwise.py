@@ -14,12 +14,18 @@ Implementations:
                Causal attention skips key blocks above the diagonal. A `jax.custom_vjp` saves
                only the output and the per-row log-sum-exp and recomputes each block's weights
                in the backward pass, so memory is O(length) forward and backward.
-  'cudnn'      GPU: `jax.nn.dot_product_attention(implementation='cudnn')`.
-  'splash'     TPU: the Pallas splash-attention kernel.
+  'cudnn'      GPU: `jax.nn.dot_product_attention(implementation='cudnn')`, masks as full
+               `[B, heads|1, q, kv]` biases, odd lengths padded by one (cuDNN's rules).
+  'splash'     TPU: the Pallas splash-attention kernel, per example, lengths padded to its
+               128-wide blocks; under a mesh inside a `shard_map` over the batch (XLA cannot
+               partition a Pallas kernel). It takes no boolean mask: padding and packed
+               sequences come as (query, key) `segment_ids`, its kernel's segment ids.
   'cudnn' and 'splash' refuse, with a ValueError, the kinds and options they cannot compute
-  (see `check_implementation`). Neither has run on its device here (no GPU/TPU): the tests run
-  the splash kernel in Pallas' CPU interpreter, and our cuDNN wrapper with jax's XLA
-  implementation standing in for cuDNN.
+  (see `check_implementation`). 'cudnn' has run on an H100 (`tests/gpu`, `make test-gpu`);
+  on CPU our wrapper runs with jax's XLA implementation standing in for cuDNN. 'splash' has
+  not run on a TPU: the tests run its kernel in Pallas' CPU interpreter (alone and inside
+  every model, with segment ids), and `tpu/compile.py` compiles the train steps with it for
+  TPU slices (tpu/README.md).
 
 How each kind becomes blockwise attention over `query [.., q, heads, dk]`, `key [.., kv,
 key_heads, dk]`, `value [.., kv, value_heads, dv]` (key_heads and value_heads divide heads):
@@ -45,13 +51,15 @@ the backward pass), but it is not the mask the materialising path draws.
 
 Masks: a boolean mask broadcastable to `[batch..., heads, q, kv]` is sliced per block (it is
 1 byte per entry where given in full; pass `is_causal=True` rather than a causal mask, which is
-then built per block from positions and lets blocks above the diagonal be skipped). A query
-that sees no key outputs 0, never NaN.
+then built per block from positions and lets blocks above the diagonal be skipped). Segment
+ids (query, key; 0 = padding) stand for `core.segment_mask` of them: 'splash' takes the ids,
+the others that mask. A query that sees no key outputs 0, never NaN.
 """
 
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -63,6 +71,9 @@ from lowrank_attn.attention.spec import DEFAULT_BLOCK_SIZE, IMPLEMENTATIONS, Att
 Array = jax.Array
 
 _PLATFORMS = {'cudnn': 'gpu', 'splash': 'tpu'}
+# Splash's default block sizes (`BlockSizes.get_default()`): lengths are padded to multiples
+# (on TPU its key blocks must be multiples of 128 lanes).
+_SPLASH_BLOCK = 128
 _target_platform: str | None = None
 
 
@@ -117,7 +128,8 @@ def check_implementation(implementation: str, spec: AttentionSpec, *, block_size
       unsupported.append(f'dtype {jnp.dtype(dtype).name} (cuDNN attention needs bfloat16 or '
                          'float16)')
   if implementation == 'splash' and mask:
-    unsupported.append('a boolean mask (splash takes static masks: use is_causal)')
+    unsupported.append('a boolean mask (splash takes static masks: is_causal, and segment_ids '
+                       '(query, key) for padding and packed sequences)')
   if unsupported:
     raise ValueError(f'implementation={implementation!r} does not support '
                      f"{', '.join(unsupported)}; use implementation='blockwise'.")
@@ -128,15 +140,20 @@ def check_implementation(implementation: str, spec: AttentionSpec, *, block_size
 
 def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Array, value: Array,
            content_bias: Array | None, *, mask: Array | None = None, is_causal: bool = False,
-           rng: Array | None = None, dropout_rate: float = 0.0, broadcast_dropout: bool = True,
+           segment_ids: tuple[Array, Array] | None = None, rng: Array | None = None,
+           dropout_rate: float = 0.0, broadcast_dropout: bool = True,
            implementation: str = 'blockwise', block_size: int = DEFAULT_BLOCK_SIZE,
            precision=None) -> Array:
   """Per-head attention outputs `[batch..., q, heads, head_dim]` of `spec.kind`, without ever
   materialising `[batch, heads, q, kv]`.
 
   query/key/value/content_bias as `kernels.project` returns them; `rng` is None unless
-  dropout is active; params in the computation dtype.
+  dropout is active; params in the computation dtype. `segment_ids`: int (query `[batch...,
+  q]`, key `[batch..., kv]`), the mask `core.segment_mask` builds from them; 'splash' takes
+  them as its kernel's segment ids, the others as that mask.
   """
+  if segment_ids is not None and implementation != 'splash':
+    mask = core.combine_masks(mask, core.segment_mask(*segment_ids))
   h = spec.num_heads
   key_bias = pre = post = None
   if spec.kind == 'collaborative':
@@ -162,42 +179,122 @@ def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Arr
         [key, jnp.swapaxes(key_bias, -1, -2)[..., :, None, :].astype(key.dtype)], axis=-1)
   if implementation == 'cudnn':
     return _cudnn_attention(query, key, value, mask, is_causal)
-  return _splash_attention(query, key, value, is_causal, h)
+  return _splash_attention(query, key, value, is_causal, h, segment_ids)
 
 
 def _cudnn_attention(query, key, value, mask, is_causal):
-  """GPU: cuDNN's fused attention over `[B, L, heads, d]` (never run on a GPU here)."""
+  """GPU: cuDNN's fused attention over `[B, L, heads, d]`.
+
+  cuDNN takes a mask as a bias of full shape `[B, heads|1, q, kv]` (a `[.., 1, kv]` padding
+  mask is broadcast), and its backward pass needs even lengths: odd lengths are padded by one
+  position, the padded key masked out, the padded query dropped.
+  """
   batch_shape, (q_length, heads, _) = query.shape[:-3], query.shape[-3:]
+  kv_length = key.shape[-3]
   flat = lambda x: x.reshape(-1, *x.shape[-3:])
+  query, key, value = flat(query), flat(key), flat(value)
+  pad_q, pad_kv = q_length % 2, kv_length % 2
+  if pad_kv and mask is None:
+    mask = jnp.ones((q_length, kv_length), bool)
   if mask is not None:  # to [B, heads|1, q, kv]
     mask = jnp.asarray(mask, bool)
     mask = mask.reshape((1,) * (len(batch_shape) + 3 - mask.ndim) + mask.shape)
-    mask = flat(jnp.broadcast_to(mask, (*batch_shape, *mask.shape[-3:])))
-  out = jax.nn.dot_product_attention(flat(query), flat(key), flat(value), mask=mask, scale=1.0,
+    mask = jnp.broadcast_to(mask, (*batch_shape, mask.shape[-3], q_length, kv_length))
+    mask = jnp.pad(mask.reshape(-1, *mask.shape[-3:]), ((0, 0), (0, 0), (0, pad_q), (0, pad_kv)))
+  along = lambda x, n: jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))
+  query, key, value = along(query, pad_q), along(key, pad_kv), along(value, pad_kv)
+  out = jax.nn.dot_product_attention(query, key, value, mask=mask, scale=1.0,
                                      is_causal=is_causal, implementation='cudnn')
+  out = out[:, :q_length]
   if mask is not None:  # our contract: a query that sees no key outputs 0
-    visible = mask & core.causal_mask(q_length, key.shape[-3]) if is_causal else mask
+    mask = mask[..., :q_length, :kv_length]
+    visible = mask & core.causal_mask(q_length, kv_length) if is_causal else mask
     sees_any = jnp.broadcast_to(jnp.any(visible, axis=-1), (out.shape[0], heads, q_length))
     out = out * jnp.swapaxes(sees_any, 1, 2)[..., None].astype(out.dtype)
   return out.reshape(*batch_shape, *out.shape[1:])
 
 
-def _splash_attention(query, key, value, is_causal, heads):
+def _splash_attention(query, key, value, is_causal, heads, segment_ids=None):
   """TPU: the Pallas splash-attention kernel, vmapped over the batch (run here only in Pallas'
-  CPU interpreter; lengths must suit its blocks, multiples of 128 by default)."""
+  CPU interpreter).
+
+  Lengths are padded to whole kernel blocks (`_SPLASH_BLOCK`), padded keys hidden by segment
+  id 0. Segment ids give `core.segment_mask`'s semantics: splash lets a query see the keys of
+  its own id, so queries of id <= 0 (which see no key under that mask, and in splash would see
+  padding) and queries whose segment has no (earlier, if causal) key output 0, as every
+  implementation does.
+  """
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # TPU-only dependency
       splash_attention_kernel as splash, splash_attention_mask as splash_mask)
   batch_shape = query.shape[:-3]
   q_length, kv_length = query.shape[-3], key.shape[-3]
   if key.shape[-2] != value.shape[-2]:  # collaborative: splash wants a key per value head
     key = jnp.broadcast_to(key, (*key.shape[:-2], value.shape[-2], key.shape[-1]))
-  head_major = lambda x: jnp.swapaxes(x.reshape(-1, *x.shape[-3:]), 1, 2)
-  shape = (q_length, kv_length)
+  q_padded, kv_padded = (-(-n // _SPLASH_BLOCK) * _SPLASH_BLOCK for n in (q_length, kv_length))
+
+  def head_major(x, padded):  # [batch..., L, h, d] -> [B, h, L_padded, d]
+    x = jnp.swapaxes(x.reshape(-1, *x.shape[-3:]), 1, 2)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, padded - x.shape[2]), (0, 0)))
+
+  def flat_ids(ids, length, padded):  # [batch..., L] -> int32 [B, L_padded], padding 0
+    ids = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (*batch_shape, length))
+    return jnp.pad(ids.reshape(-1, length), ((0, 0), (0, padded - length)))
+
+  batch = math.prod(batch_shape)
+  if segment_ids is not None:
+    q_ids, kv_ids = flat_ids(segment_ids[0], q_length, q_padded), flat_ids(
+        segment_ids[1], kv_length, kv_padded)
+  elif kv_padded != kv_length:  # only to hide the padded keys
+    q_ids = jnp.ones((batch, q_padded), jnp.int32)
+    kv_ids = flat_ids(jnp.ones((kv_length,), jnp.int32), kv_length, kv_padded)
+  shape = (q_padded, kv_padded)
   one = splash_mask.CausalMask(shape) if is_causal else splash_mask.FullMask(shape)
   kernel = splash.make_splash_mha(splash_mask.MultiHeadMask((one,) * heads), head_shards=1,
                                   q_seq_shards=1)
-  out = jax.vmap(kernel)(head_major(query), head_major(key), head_major(value))
-  return jnp.swapaxes(out, 1, 2).reshape(*batch_shape, q_length, heads, value.shape[-1])
+  operands = (head_major(query, q_padded), head_major(key, kv_padded),
+              head_major(value, kv_padded))
+  if segment_ids is not None or kv_padded != kv_length:
+    operands += (splash.SegmentIds(q=q_ids, kv=kv_ids),)
+  out = _per_batch_shard(jax.vmap(kernel), batch, *operands)
+  out = jnp.swapaxes(out[:, :, :q_length], 1, 2)  # [B, q, heads, dv]
+  if segment_ids is not None:
+    sees_any = _sees_any_key(q_ids[:, :q_length], kv_ids, is_causal)
+    out = out * sees_any[:, :, None, None].astype(out.dtype)
+  return out.reshape(*batch_shape, q_length, heads, value.shape[-1])
+
+
+def _per_batch_shard(fn, batch: int, *operands):
+  """`fn(*operands)`, under a mesh in a `shard_map` over the leading (batch) axis.
+
+  XLA cannot partition a Pallas kernel itself. The batch is split over every mesh axis whose
+  size still divides it (data and fsdp in our layouts), each shard getting whole rows and all
+  heads; operands are replicated over the other axes.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(*operands)
+  axes, shards = [], 1
+  for name, size in mesh.shape.items():
+    if size > 1 and batch % (shards * size) == 0:
+      axes.append(name)
+      shards *= size
+  spec = jax.sharding.PartitionSpec(tuple(axes) if axes else None)
+  return jax.shard_map(fn, in_specs=spec, out_specs=spec, check_vma=False)(*operands)
+
+
+def _sees_any_key(q_ids: Array, kv_ids: Array, is_causal: bool) -> Array:
+  """bool `[B, q]`: `core.segment_mask` (causal: and `causal_mask`) leaves query i some key.
+
+  From each segment's first key (a sort, O(L log L)), never materialising `[B, q, kv]`.
+  """
+  order = jnp.argsort(kv_ids, axis=-1, stable=True)  # within a segment, keys in position order
+  sorted_ids = jnp.take_along_axis(kv_ids, order, axis=-1)
+  first = jax.vmap(jnp.searchsorted)(sorted_ids, q_ids)
+  first = jnp.minimum(first, kv_ids.shape[-1] - 1)
+  sees = (jnp.take_along_axis(sorted_ids, first, axis=-1) == q_ids) & (q_ids > 0)
+  if is_causal:
+    sees &= jnp.take_along_axis(order, first, axis=-1) <= jnp.arange(q_ids.shape[-1])
+  return sees
 
 
 # --------------------------------------------------------------------------- blockwise attention

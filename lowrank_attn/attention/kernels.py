@@ -198,6 +198,19 @@ def _check_inputs(params, spec, inputs_q, inputs_k, inputs_v, cache):
                        f'length {max_length}.')
 
 
+def _check_segment_ids(segment_ids, batch_shape, q_length, kv_length) -> None:
+  """ValueError unless `segment_ids` is an integer (query, key) pair of the right lengths."""
+  if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
+    raise ValueError('segment_ids must be a (query_segment_ids, key_segment_ids) pair, got '
+                     f'{type(segment_ids).__name__}.')
+  for name, ids, length in (('query', segment_ids[0], q_length),
+                            ('key', segment_ids[1], kv_length)):
+    if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+      raise ValueError(f'{name} segment_ids must be integers, got {jnp.result_type(ids)}.')
+    core.check_broadcastable(f'{name} segment_ids', jnp.shape(ids), (*batch_shape, length),
+                             f'[batch..., {name}_length]')
+
+
 def _without_heads(params, spec, inputs_q, inputs_k, cache, dtype, return_weights,
                    return_logits) -> AttentionOutput:
   """A fully pruned layer (num_heads=0): its output is its output bias."""
@@ -223,6 +236,7 @@ def multi_head_attention(
     spec: AttentionSpec,
     mask: Array | None = None,
     is_causal: bool = False,
+    segment_ids: tuple[Array, Array] | None = None,
     head_mask: Array | None = None,
     cache: dict[str, Array] | None = None,
     rng: Array | None = None,
@@ -247,6 +261,10 @@ def multi_head_attention(
     mask: boolean (or 0/1) mask broadcastable to `[batch..., heads, q_length, kv_length]`;
       False hides a key from a query. A query that sees no key outputs 0 (never NaN).
     is_causal: also hide keys after the query's position.
+    segment_ids: int (query `[batch..., q_length]`, key `[batch..., kv_length]`) segment ids of
+      packed sequences, 0 for padding: a query sees only keys of its own segment, and nothing
+      sees padding (the mask `core.segment_mask` builds, ANDed with `mask`). 'splash' takes
+      them as its kernel's segment ids (it takes no boolean mask); the others as that mask.
     head_mask: `[heads]` or `[batch..., heads]` factors multiplying each head's output
       before the output projection: 0/1 to prune heads; its gradient at ones is the head
       importance of Michel et al. (2019).
@@ -313,10 +331,17 @@ def multi_head_attention(
   elif is_causal and implementation == 'xla':  # the others build causal masks per block
     mask = core.combine_masks(mask, core.causal_mask(inputs_q.shape[-2], inputs_k.shape[-2]))
 
+  if segment_ids is not None:
+    _check_segment_ids(segment_ids, batch_shape, query.shape[length_axis],
+                       key.shape[length_axis])
+    if implementation == 'xla':
+      mask = core.combine_masks(mask, core.segment_mask(*segment_ids))
+      segment_ids = None
+
   if implementation != 'xla':  # [..., q, h, d], never materialising [..., h, q, k]
     heads = blockwise.attend(
         params, spec, query, key, value, content_bias, mask=mask,
-        is_causal=is_causal and cache is None,
+        is_causal=is_causal and cache is None, segment_ids=segment_ids,
         rng=rng if not deterministic and dropout_rate > 0.0 else None,
         dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
         implementation=implementation, block_size=block_size, precision=precision)

@@ -168,21 +168,25 @@ class TransformerLayer(nnx.Module):
       x = norm(x + self.dropout(branch(x), deterministic=deterministic, rngs=rngs))
     return constrain(x, ('batch', 'length', 'embed'))
 
-  def __call__(self, x: Array, *, mask: Array | None, is_causal: bool = False,
-               encoded: Array | None = None, cross_mask: Array | None = None, deterministic: bool,
+  def __call__(self, x: Array, *, mask: Array | None = None, is_causal: bool = False,
+               segment_ids: tuple[Array, Array] | None = None, encoded: Array | None = None,
+               cross_mask: Array | None = None,
+               cross_segment_ids: tuple[Array, Array] | None = None, deterministic: bool,
                rngs: nnx.Rngs | None, decode: bool = False,
                head_masks: tuple[Array | None, Array | None] = (None, None),
                return_weights: bool = False,
                return_logits: bool = False) -> tuple[Array, dict[str, dict[str, Array]]]:
     """The new activations, and `{'weights'|'logits': {'self'|'cross': [b, h, q, k]}}` of what
     was requested. `is_causal`: self-attention also hides later positions (not when decoding:
-    the cache does)."""
+    the cache does). `segment_ids`/`cross_segment_ids`: (query, key) segment ids, 0 = padding,
+    of self- and cross-attention (see `MultiHeadAttention.__call__`); the masks AND with them."""
     extras = {'weights': {}, 'logits': {}}
 
-    def attend(layer, name, head_mask, kv=None, kv_mask=None, is_causal=False, decode=False):
+    def attend(layer, name, head_mask, kv=None, kv_mask=None, segments=None, is_causal=False,
+               decode=False):
       def branch(h):
-        out = layer(h, kv, mask=kv_mask, is_causal=is_causal, deterministic=deterministic,
-                    rngs=rngs, decode=decode, head_mask=head_mask,
+        out = layer(h, kv, mask=kv_mask, segment_ids=segments, is_causal=is_causal,
+                    deterministic=deterministic, rngs=rngs, decode=decode, head_mask=head_mask,
                     return_weights=return_weights, return_logits=return_logits)
         if return_logits:
           out, weights, extras['logits'][name] = out
@@ -195,13 +199,14 @@ class TransformerLayer(nnx.Module):
 
     x = self._residual(
         x, self.self_attention_norm,
-        attend(self.self_attention, 'self', head_masks[0], kv_mask=mask, is_causal=is_causal,
-               decode=decode),
+        attend(self.self_attention, 'self', head_masks[0], kv_mask=mask, segments=segment_ids,
+               is_causal=is_causal, decode=decode),
         deterministic, rngs)
     if self.cross_attention is not None:
       x = self._residual(
           x, self.cross_attention_norm,
-          attend(self.cross_attention, 'cross', head_masks[1], kv=encoded, kv_mask=cross_mask),
+          attend(self.cross_attention, 'cross', head_masks[1], kv=encoded, kv_mask=cross_mask,
+                 segments=cross_segment_ids),
           deterministic, rngs)
     x = self._residual(
         x, self.mlp_norm, lambda h: self.mlp(h, deterministic=deterministic, rngs=rngs),

@@ -16,7 +16,10 @@ counts, and per-layer caches, weights and masks stay simple.
 
 Decoder self-attention is causal by `is_causal=True`, not by a `[q, kv]` causal mask: with
 `implementation='blockwise'` each block builds its part from positions and the blocks above
-the diagonal are skipped ('xla' builds the full mask itself).
+the diagonal are skipped ('xla' builds the full mask itself). Padding and packed sequences
+reach the attention layers as (query, key) segment ids, not as masks: the mask
+`segment_mask` builds from them for every implementation but 'splash', whose kernel takes
+the ids themselves.
 """
 
 from collections.abc import Mapping, Sequence
@@ -25,7 +28,6 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from lowrank_attn.attention import segment_mask
 from lowrank_attn.models.config import TransformerConfig
 from lowrank_attn.models.layers import (
     ACTIVATIONS, InputEmbedding, LayerNorm, TokenEmbedding, TransformerLayer, dense_2d)
@@ -66,17 +68,22 @@ class Stack(nnx.Module):
                             for i in range(num_layers)])
     self.final_norm = LayerNorm(cfg, rngs=rngs) if cfg.norm == 'pre' else None
 
-  def __call__(self, tokens, positions, *, mask, token_types=None, encoded=None,
-               cross_mask=None, deterministic=True, rngs=None, decode=False,
-               head_masks: HeadMasks = None, return_weights=False, return_logits=False):
-    """Final activations and `{'attention_weights'|'attention_logits': {type: per-layer}}`."""
+  def __call__(self, tokens, positions, *, mask=None, segment_ids=None, token_types=None,
+               encoded=None, cross_mask=None, cross_segment_ids=None, deterministic=True,
+               rngs=None, decode=False, head_masks: HeadMasks = None, return_weights=False,
+               return_logits=False):
+    """Final activations and `{'attention_weights'|'attention_logits': {type: per-layer}}`.
+
+    Masks and (query, key) segment ids as `TransformerLayer`'s.
+    """
     x = self.embedding(tokens, positions, token_types, deterministic=deterministic, rngs=rngs)
     names = {'self': self.attention_type, 'cross': 'cross'}
     collected = {'attention_weights': {}, 'attention_logits': {}}
     for i, layer in enumerate(self.layers):
       x, extras = layer(
-          x, mask=mask, is_causal=self.attention_type == 'decoder', encoded=encoded,
-          cross_mask=cross_mask, deterministic=deterministic, rngs=rngs, decode=decode,
+          x, mask=mask, segment_ids=segment_ids, is_causal=self.attention_type == 'decoder',
+          encoded=encoded, cross_mask=cross_mask, cross_segment_ids=cross_segment_ids,
+          deterministic=deterministic, rngs=rngs, decode=decode,
           return_weights=return_weights, return_logits=return_logits,
           head_masks=(_layer_mask(head_masks, self.attention_type, i),
                       _layer_mask(head_masks, 'cross', i)))
@@ -180,12 +187,12 @@ class DecoderLM(_Model):
     default to the cache position onwards.
     """
     if decode:
-      mask = None  # the cache applies causality and hides unwritten positions
+      segments = None  # the cache applies causality and hides unwritten positions
       positions = _positions(inputs, positions, start=self.decoder.cache_index())
     else:
       segments = (inputs != 0).astype(jnp.int32) if segment_ids is None else segment_ids
-      mask = segment_mask(segments, segments)  # and causal: a decoder stack
-    x, extras = self.decoder(inputs, _positions(inputs, positions), mask=mask,
+      segments = (segments, segments)  # and causal: a decoder stack
+    x, extras = self.decoder(inputs, _positions(inputs, positions), segment_ids=segments,
                              deterministic=deterministic, rngs=rngs, decode=decode,
                              head_masks=head_masks, return_weights=return_weights,
                              return_logits=return_logits)
@@ -242,7 +249,7 @@ class EncoderMLM(_Model):
     """Final hidden states `[batch, length, D]` (padding: token 0 / segment 0) and extras."""
     segments = (inputs != 0).astype(jnp.int32) if segment_ids is None else segment_ids
     return self.encoder(inputs, _positions(inputs, positions),
-                        mask=segment_mask(segments, segments), token_types=token_types,
+                        segment_ids=(segments, segments), token_types=token_types,
                         deterministic=deterministic, rngs=rngs, head_masks=head_masks,
                         return_weights=return_weights, return_logits=return_logits)
 
@@ -279,7 +286,7 @@ class EncoderDecoder(_Model):
     """inputs `[batch, source_length]` -> (encoded `[batch, source_length, D]`, extras)."""
     segments = (inputs != 0).astype(jnp.int32) if segment_ids is None else segment_ids
     return self.encoder(inputs, _positions(inputs, positions),
-                        mask=segment_mask(segments, segments), deterministic=deterministic,
+                        segment_ids=(segments, segments), deterministic=deterministic,
                         rngs=rngs, head_masks=head_masks, return_weights=return_weights,
                         return_logits=return_logits)
 
@@ -297,15 +304,15 @@ class EncoderDecoder(_Model):
     source = (inputs != 0).astype(jnp.int32) if source_segment_ids is None else source_segment_ids
     if target_segment_ids is None:
       target_segment_ids = jnp.ones(decoder_inputs.shape, jnp.int32)
-    cross_mask = segment_mask(target_segment_ids, source)
     if decode:
-      self_mask = None
+      self_segments = None
       positions = _positions(decoder_inputs, positions, start=self.decoder.cache_index())
     else:
-      self_mask = segment_mask(target_segment_ids, target_segment_ids)  # and causal
+      self_segments = (target_segment_ids, target_segment_ids)  # and causal
     x, extras = self.decoder(
-        decoder_inputs, _positions(decoder_inputs, positions), mask=self_mask, encoded=encoded,
-        cross_mask=cross_mask, deterministic=deterministic, rngs=rngs, decode=decode,
+        decoder_inputs, _positions(decoder_inputs, positions), segment_ids=self_segments,
+        encoded=encoded, cross_segment_ids=(target_segment_ids, source),
+        deterministic=deterministic, rngs=rngs, decode=decode,
         head_masks=head_masks, return_weights=return_weights, return_logits=return_logits)
     return self._logits(x), extras
 

@@ -233,6 +233,7 @@ class MultiHeadAttention(nnx.Module):
       sow_weights: bool = False,
       decode: bool | None = None,
       is_causal: bool = False,
+      segment_ids: tuple[Array, Array] | None = None,
       out_sharding=None,
       qkv_sharding=None,
       head_mask: Array | None = None,
@@ -242,6 +243,9 @@ class MultiHeadAttention(nnx.Module):
     """Attention of `inputs_q` over `inputs_k`/`inputs_v` (self-attention when both are None).
 
     Args as `flax.nnx.MultiHeadAttention.__call__`, plus:
+      segment_ids: int (query `[batch..., q]`, key `[batch..., kv]`) segment ids of packed
+        sequences, 0 = padding: the mask `attention.segment_mask` builds (ANDed with `mask`),
+        which implementation='splash' takes as its kernel's segment ids.
       head_mask: `[heads]` or `[batch..., heads]` factors on each head's output (pruning masks;
         its gradient at ones is Michel et al.'s head importance).
       return_weights: return `(out, weights)`, weights float32 `[batch..., heads, q, kv]`.
@@ -291,9 +295,10 @@ class MultiHeadAttention(nnx.Module):
 
     result = attention.multi_head_attention(
         self.kernel_params(), inputs_q, inputs_k, inputs_v, spec=spec, mask=mask,
-        is_causal=is_causal and not decode, head_mask=head_mask, cache=cache, rng=rng,
-        dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
-        deterministic=deterministic, return_weights=return_weights or sow_weights,
+        is_causal=is_causal and not decode, segment_ids=segment_ids, head_mask=head_mask,
+        cache=cache, rng=rng, dropout_rate=self.dropout_rate,
+        broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
+        return_weights=return_weights or sow_weights,
         return_logits=return_logits, dtype=self.dtype, precision=self.precision)
 
     if decode:

@@ -263,22 +263,35 @@ def test_invalid_implementation_settings_name_the_setting(make_params):
                              implementation='splash')
 
 
-def test_cudnn_wrapper_with_xla_standing_in_for_cudnn(make_params, monkeypatch):
-  """Only our wrapper (batch flattening, masks, fully masked rows): there is no GPU here, so
-  jax's XLA implementation stands in for cuDNN."""
+@pytest.mark.parametrize('length', [6, 7])
+@pytest.mark.parametrize('mask_shape', [(3, 1, 1, None), (3, 1, None, None)],
+                         ids=['padding', 'full'])
+def test_cudnn_wrapper_with_xla_standing_in_for_cudnn(make_params, monkeypatch, length,
+                                                      mask_shape):
+  """Only our wrapper (batch flattening, masks, odd lengths, fully masked rows): there is no
+  GPU here, so jax's XLA implementation stands in for cuDNN, refusing what cuDNN refuses
+  (tests/gpu run the real kernel): a mask not of full [q, kv] shape and odd lengths."""
   real = jax.nn.dot_product_attention
-  monkeypatch.setattr(jax.nn, 'dot_product_attention',
-                      lambda *args, implementation, **kw: real(*args, implementation='xla', **kw))
+
+  def stand_in(query, key, value, *args, mask=None, implementation, **kw):
+    assert query.shape[1] % 2 == 0 and key.shape[1] % 2 == 0, (query.shape, key.shape)
+    assert mask is None or mask.shape[-2:] == (query.shape[1], key.shape[1]), mask.shape
+    return real(query, key, value, *args, mask=mask, implementation='xla', **kw)
+  monkeypatch.setattr(jax.nn, 'dot_product_attention', stand_in)
   spec = A.AttentionSpec(num_heads=4, in_features=8, num_kv_heads=2)
   params = make_params(spec, dtype=jnp.bfloat16)
-  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 6, 8)), jnp.bfloat16)
-  mask = jnp.asarray(np.random.default_rng(1).random((3, 1, 6, 6)) < 0.7).at[:, :, 2].set(False)
-  call = functools.partial(A.multi_head_attention, params, x, spec=spec, mask=mask,
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 3, length, 8)), jnp.bfloat16)
+  shape = tuple(length if n is None else n for n in mask_shape)
+  mask = rng.random(shape) < 0.7
+  mask[1] = False  # the second example of each row sees no key at all
+  call = functools.partial(A.multi_head_attention, params, x, spec=spec, mask=jnp.asarray(mask),
                            is_causal=True)
   with blockwise.target_platform('gpu'):
     out = call(implementation='cudnn').out
-  np.testing.assert_allclose(np.float32(out), np.float32(call(implementation='xla').out),
-                             atol=0.03, rtol=0.03)
+  expected = call(implementation='xla').out
+  np.testing.assert_allclose(np.float32(out), np.float32(expected), atol=0.03, rtol=0.03)
+  np.testing.assert_array_equal(np.float32(out[:, 1]), np.float32(expected[:, 1]))
 
 
 @pytest.mark.parametrize('options', [dict(num_kv_heads=1),

@@ -4,10 +4,10 @@ The compiles need libtpu (`make test-tpu` installs it in its own virtualenv) and
 saying so, where it is missing; the batch spec and the "does not fit" error need no libtpu.
 """
 
+import importlib
 import importlib.util
 import pathlib
 import re
-import sys
 
 import jax
 import pytest
@@ -16,23 +16,8 @@ from lowrank_attn import data
 from lowrank_attn.train import config as config_lib, state as state_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TPU_DIR = ROOT / 'tpu'
-
-
-def load(name):
-  """The scripts in tpu/ are not a package: import them by path."""
-  sys.path.insert(0, str(TPU_DIR))
-  try:
-    spec = importlib.util.spec_from_file_location(f'tpu_{name}', TPU_DIR / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-  finally:
-    sys.path.remove(str(TPU_DIR))
-
-
-compile_tool = load('compile')
-chips = compile_tool.chips  # the module compile.py imported (its Chip objects)
+compile_tool = importlib.import_module('compile')  # tpu/compile.py (tests/tpu/conftest.py)
+chips = importlib.import_module('chips')
 HAS_LIBTPU = importlib.util.find_spec('libtpu') is not None
 needs_libtpu = pytest.mark.skipif(
     not HAS_LIBTPU, reason="libtpu is not installed (pip install -e '.[tpu]', or run "

@@ -1,29 +1,13 @@
 """tpu/launch.py --dry_run prints the gcloud commands of a multi-host launch; tpu/chips.py."""
 
-import importlib.util
-import pathlib
+import importlib
 import shlex
 import subprocess
-import sys
 
 import pytest
 
-TPU_DIR = pathlib.Path(__file__).resolve().parents[2] / 'tpu'
-
-
-def load(name):
-  """The scripts in tpu/ are not a package: import them by path."""
-  sys.path.insert(0, str(TPU_DIR))
-  try:
-    spec = importlib.util.spec_from_file_location(f'tpu_{name}', TPU_DIR / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-  finally:
-    sys.path.remove(str(TPU_DIR))
-
-
-launch, chips = load('launch'), load('chips')
+launch = importlib.import_module('launch')  # tpu/launch.py (tests/tpu/conftest.py)
+chips = importlib.import_module('chips')
 
 
 def dry_run(capsys, *argv):

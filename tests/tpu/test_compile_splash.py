@@ -1,0 +1,38 @@
+"""implementation='splash' compiles inside the real train step for a TPU slice.
+
+Packed translation: the encoder, the causal decoder and the cross-attention all pass (query,
+key) segment ids to the Pallas splash kernel, which Mosaic compiles for TPU (under the data
+parallel mesh's `shard_map`). Needs libtpu, as tests/tpu/test_compile.py.
+"""
+
+import importlib
+import importlib.util
+import pathlib
+
+import pytest
+
+from lowrank_attn.train import config as config_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec('libtpu') is None,
+    reason="libtpu is not installed (pip install -e '.[tpu]', or run `make test-tpu`)")
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_tiny_nmt_with_splash_compiles_for_v5e_2x2(tmp_path):
+  tool = importlib.import_module('compile')  # tpu/compile.py (tests/tpu/conftest.py)
+  config = config_lib.load(f'{ROOT}/configs/nmt.py:tiny')
+  assert config.data.packing  # segment ids in every attention type
+  config.model.attention.implementation = 'splash'
+  report = tool.compile_train_step(config, 'v5e:2x2', name='nmt:tiny splash',
+                                   dump_hlo=str(tmp_path))
+  print(report.describe())
+  assert report.num_chips == 4 and report.mesh == {'data': 4, 'fsdp': 1, 'tensor': 1}
+  assert 0 < report.hbm_bytes < tool.chips.CHIPS['v5e'].hbm_bytes
+  assert 0 < report.step_secs < 1.0
+  # The kernel is in the program: Mosaic custom calls (forward and backward), no [q, kv]
+  # attention weights.
+  hlo = (tmp_path / 'train_step.hlo.txt').read_text()
+  assert 'tpu_custom_call' in hlo
