@@ -149,11 +149,9 @@ def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Arr
 
   query/key/value/content_bias as `kernels.project` returns them; `rng` is None unless
   dropout is active; params in the computation dtype. `segment_ids`: int (query `[batch...,
-  q]`, key `[batch..., kv]`), the mask `core.segment_mask` builds from them; 'splash' takes
-  them as its kernel's segment ids, the others as that mask.
+  q]`, key `[batch..., kv]`) for 'splash', which takes them as its kernel's segment ids
+  (`multi_head_attention` turns them into `core.segment_mask` for the others).
   """
-  if segment_ids is not None and implementation != 'splash':
-    mask = core.combine_masks(mask, core.segment_mask(*segment_ids))
   h = spec.num_heads
   key_bias = pre = post = None
   if spec.kind == 'collaborative':

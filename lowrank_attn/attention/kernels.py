@@ -334,7 +334,7 @@ def multi_head_attention(
   if segment_ids is not None:
     _check_segment_ids(segment_ids, batch_shape, query.shape[length_axis],
                        key.shape[length_axis])
-    if implementation == 'xla':
+    if implementation != 'splash':  # only splash's kernel takes the ids themselves
       mask = core.combine_masks(mask, core.segment_mask(*segment_ids))
       segment_ids = None
 
