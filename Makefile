@@ -38,8 +38,8 @@ test-all: $(STAMP)
 	$(PYTEST) -m "not gpu" tests
 
 # The GPU tests (tests/gpu: cuDNN attention against the materialising path), on a machine with
-# an NVIDIA GPU and a CUDA jax (`pip install -e '.[dev]' 'jax[cuda13]'`); they fail, not skip,
-# without one.
+# an NVIDIA GPU and a CUDA build of jax (they passed on an H100 with jax 0.11.2 and its cuda13
+# plugin, one minor version past our pin); they fail, not skip, without one.
 test-gpu:
 	JAX_PLATFORMS=cuda $(PY) -m pytest -q -m gpu tests/gpu
 
