@@ -20,9 +20,11 @@ import dataclasses
 import glob
 import json
 import os
+import re
 from typing import Any
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -31,6 +33,7 @@ from lowrank_attn import data as data_lib
 from lowrank_attn.pruning.heads import Keep, check_keep, prune_heads
 from lowrank_attn.reparam.runs import with_overrides, write_model_run
 from lowrank_attn.train import checkpoints, config as config_lib, tasks
+from lowrank_attn.train import state as state_lib
 
 PRUNING_FILE = 'pruning.json'
 
@@ -80,6 +83,15 @@ def load_run(workdir: str | os.PathLike, step: int | None = None) -> LoadedRun:
   return LoadedRun(workdir, config, nnx.merge(graphdef, params), tokenizer, step)
 
 
+def _matches_any(model: nnx.Module, pattern: str | None) -> bool:
+  """Whether `config.trainable=pattern` leaves some parameter of `model` trainable."""
+  if pattern is None:
+    return True
+  paths = [state_lib.parameter_path(path) for path, _ in
+           jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]]
+  return any(re.search(pattern, path) for path in paths)
+
+
 def _to_jax(tree):
   if isinstance(tree, dict):
     return {k: _to_jax(v) for k, v in tree.items()}
@@ -92,14 +104,20 @@ def prune_run(source: str | os.PathLike, keep: Keep, workdir: str | os.PathLike,
 
   Returns the `--config.<field>` overrides that, with the source's command and
   `--config.init_from=<workdir>`, train or evaluate the pruned model: the attention fields
-  of the pruned types and the source's tokenizer and prepared data. `workdir/pruning.json`
-  records them, the source and `keep`.
+  of the pruned types and the source's tokenizer and prepared data, and `trainable=None` where
+  the source's `config.trainable` matches no parameter left (a gate fine-tune whose gates all
+  closed). `workdir/pruning.json` records them, the source and `keep`.
   """
   run = load_run(source, step)
   keep = check_keep(run.model, keep)
   pruned = prune_heads(run.model, keep)
-  config = with_overrides(run.config, data_overrides(source, run.config))
-  overrides = {**data_overrides(source, run.config), 'init_from': os.path.abspath(workdir),
+  overrides = data_overrides(source, run.config)
+  if not _matches_any(pruned, run.config.trainable):
+    # E.g. a gate fine-tune (trainable='gate_log_alpha') whose gates all closed: the pruned
+    # model has no gate left, and a pattern that matches nothing would refuse to build it.
+    overrides['trainable'] = None
+  config = with_overrides(run.config, overrides)
+  overrides = {**overrides, 'init_from': os.path.abspath(workdir),
                **write_model_run(pruned, workdir, config)}
   record = {'source': run.workdir, 'source_step': run.step, 'overrides': overrides,
             'keep': {t: [np.asarray(k).astype(int).tolist() for k in layers]

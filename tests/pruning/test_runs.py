@@ -57,3 +57,24 @@ def test_pruned_run_equals_masked_source_and_trains(tmp_path):
   trained = nnx.jit(lambda m: m(inputs, targets)[0])(restored.model)
   assert np.isfinite(trained).all()
   assert not np.allclose(trained, nnx.jit(lambda m: m(inputs, targets)[0])(pruned))
+
+
+def test_gate_run_with_every_gate_closed_prunes_to_a_buildable_run(tmp_path):
+  # A gate fine-tune trains only 'gate_log_alpha'; when every gate closes, the pruned model has
+  # no gate left and the pruned run must not keep a `trainable` pattern that matches nothing.
+  config = tiny_config(1)
+  config.model.encoder_attention.gated = True
+  config.trainable = 'gate_log_alpha'
+  config.decode.beam_size = 1
+  source, pruned_dir = str(tmp_path / 'source'), str(tmp_path / 'pruned')
+  train.train_and_evaluate(config, source)
+
+  no_encoder = {'encoder': np.zeros((2, 4), bool)}
+  overrides = pruning.prune_run(source, no_encoder, pruned_dir)
+  assert overrides['trainable'] is None
+  written = json.loads((tmp_path / 'pruned' / 'config.json').read_text())
+  assert written['trainable'] is None
+  rebuilt = config_lib.from_dict(written)  # what evaluation and fine-tuning build from
+  train.state.setup(rebuilt, vocab_size=pruning.load_run(pruned_dir).tokenizer.vocab_size,
+                    bos_id=1)
+  assert pruning.head_counts(pruning.load_run(pruned_dir).model)['encoder'] == (0, 0)
