@@ -90,7 +90,8 @@ def heat_maps(entries: list[dict], baselines: dict, out: pathlib.Path) -> list[s
       'syntactic': [(f"{k} (offset {baselines[k]['offset']:+d}: "
                      f"{baselines[k]['accuracy']:.2f})", grid(lambda e, k=k: e['syntactic'][k]))
                     for k in relations],
-      'rare': [(f"most-attended word is the rarest (chance {baselines['rare']['chance']:.2f})",
+      'rare': [(f"most-attended word is the rarest (chance {baselines['rare']['chance']:.2f}, "
+                f"uniform head {baselines['rare']['uniform']:.2f})",
                 grid(lambda e: e['rare']))],
       'confidence': [('mean max attention weight', grid(lambda e: e['confidence']))],
   }
@@ -146,7 +147,8 @@ def main(argv=None):
              'skipped': result['skipped'], 'word_counts': 'multi30k train.en, lowercased',
              'thresholds': {'positional': roles_lib.POSITIONAL_THRESHOLD,
                             'syntactic_margin': roles_lib.SYNTACTIC_MARGIN,
-                            'rare': roles_lib.RARE_THRESHOLD}}
+                            'rare': roles_lib.RARE_THRESHOLD,
+                            'rare_margin_over_uniform': roles_lib.RARE_MARGIN}}
   summary['plots'] = heat_maps(result['heads'], result['baselines'], out)
   (out / 'summary.json').write_text(json.dumps(summary, indent=1))
   labelled = [e for e in result['heads'] if e['roles']]

@@ -89,7 +89,8 @@ def test_role_metrics_of_known_attention(sentence):
       'obj head->dep': 0.0, 'det dep->head': 1.0, 'det head->dep': 0.0}
   # Most-attended word of the sentence (mean over query words): 0, cat, chase, cat.
   assert [h['rare'] for h in result['heads']] == [0.0, 1.0, 0.0, 1.0]
-  assert result['baselines']['rare'] == {'chance': 1 / 4, 'sentences': 1}
+  # A uniform head attends most to "Dogs" (2 pieces), not the rarest word.
+  assert result['baselines']['rare'] == {'chance': 1 / 4, 'uniform': 0.0, 'sentences': 1}
   # Most frequent relative position of each relation (one instance each here).
   assert result['baselines']['nsubj dep->head'] == {'offset': 1, 'accuracy': 1.0, 'queries': 1}
   assert result['baselines']['obj head->dep']['offset'] == 2
@@ -101,11 +102,28 @@ def test_role_metrics_of_known_attention(sentence):
 
 
 def test_syntactic_role_needs_ten_points_over_the_baseline():
-  baselines = {'amod dep->head': {'offset': 1, 'accuracy': 0.5, 'queries': 10}}
+  baselines = {'amod dep->head': {'offset': 1, 'accuracy': 0.5, 'queries': 10},
+               'rare': {'chance': 0.25, 'uniform': 0.3, 'sentences': 10}}
   entry = lambda accuracy: {'positional': {'prev': 0.0, 'next': 0.0}, 'rare': 0.0,
                             'syntactic': {'amod dep->head': accuracy}}
   assert classify(entry(0.61), baselines) == ['syntactic (amod dep->head)']
   assert classify(entry(0.59), baselines) == []
+
+
+def test_rare_word_role_must_beat_a_uniform_head(sentence):
+  # Pieces Do gs chase the cat EOS; with "dogs" the rarest word, a head attending to every
+  # piece alike attends most to it (two pieces), so its 100% is what the uniform head gets.
+  counts = {'dogs': 1, 'chase': 5, 'the': 100, 'cat': 7}
+  uniform = np.full((1, 1, 6, 6), 1 / 6)
+  result = roles_from_attention([(sentence, uniform, np.array([0, 0, 1, 2, 3, -1]))], counts)
+  assert result['baselines']['rare'] == {'chance': 1 / 4, 'uniform': 1.0, 'sentences': 1}
+  assert result['heads'][0]['rare'] == 1.0
+  assert classify(result['heads'][0], result['baselines']) == []
+  entry = {'positional': {'prev': 0.0, 'next': 0.0}, 'syntactic': {}}
+  baselines = lambda uniform: {'rare': {'chance': 0.25, 'uniform': uniform, 'sentences': 9}}
+  assert classify({**entry, 'rare': 0.65}, baselines(0.5)) == ['rare']
+  assert classify({**entry, 'rare': 0.55}, baselines(0.5)) == []  # < 10 points over uniform
+  assert classify({**entry, 'rare': 0.45}, baselines(0.2)) == []  # < 50%
 
 
 def test_alignment_with_a_real_wordpiece_tokenizer(sentence):
