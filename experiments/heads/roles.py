@@ -90,7 +90,7 @@ def heat_maps(entries: list[dict], baselines: dict, out: pathlib.Path) -> list[s
       'syntactic': [(f"{k} (offset {baselines[k]['offset']:+d}: "
                      f"{baselines[k]['accuracy']:.2f})", grid(lambda e, k=k: e['syntactic'][k]))
                     for k in relations],
-      'rare': [(f"most-attended word is the rarest (chance {baselines['rare']['chance']:.2f}, "
+      'rare': [(f"most-attended word is the rarest\n(chance {baselines['rare']['chance']:.2f}, "
                 f"uniform head {baselines['rare']['uniform']:.2f})",
                 grid(lambda e: e['rare']))],
       'confidence': [('mean max attention weight', grid(lambda e: e['confidence']))],

@@ -203,7 +203,8 @@ def report(results, runs_dir: pathlib.Path, out: pathlib.Path, s: Settings) -> N
   heads = lambda r: '/'.join(str(sum(r['heads'][t])) for t in ('encoder', 'decoder', 'cross'))
   table = runner.markdown_table(
       sorted(curves, key=lambda r: (r['method'], -r['total_heads'])) + baseline,
-      [('method', 'method'), ('λ', 'lambda'), ('K', 'k'),
+      [('method', 'method'), ('λ', lambda r: '' if r['lambda'] is None else f"{r['lambda']:g}"),
+       ('K', 'k'),
        ('heads enc/dec/cross', heads), ('BLEU', 'bleu'),
        ('BLEU gated (before pruning)', 'bleu_gated'), ('parameters', 'params')],
       floatfmt='.2f')
