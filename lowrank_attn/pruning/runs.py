@@ -20,11 +20,9 @@ import dataclasses
 import glob
 import json
 import os
-import re
 from typing import Any
 
 from flax import nnx
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -83,15 +81,6 @@ def load_run(workdir: str | os.PathLike, step: int | None = None) -> LoadedRun:
   return LoadedRun(workdir, config, nnx.merge(graphdef, params), tokenizer, step)
 
 
-def _matches_any(model: nnx.Module, pattern: str | None) -> bool:
-  """Whether `config.trainable=pattern` leaves some parameter of `model` trainable."""
-  if pattern is None:
-    return True
-  paths = [state_lib.parameter_path(path) for path, _ in
-           jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]]
-  return any(re.search(pattern, path) for path in paths)
-
-
 def _to_jax(tree):
   if isinstance(tree, dict):
     return {k: _to_jax(v) for k, v in tree.items()}
@@ -112,7 +101,8 @@ def prune_run(source: str | os.PathLike, keep: Keep, workdir: str | os.PathLike,
   keep = check_keep(run.model, keep)
   pruned = prune_heads(run.model, keep)
   overrides = data_overrides(source, run.config)
-  if not _matches_any(pruned, run.config.trainable):
+  if not state_lib.trains_any(nnx.to_pure_dict(nnx.state(pruned, nnx.Param)),
+                              run.config.trainable):
     # E.g. a gate fine-tune (trainable='gate_log_alpha') whose gates all closed: the pruned
     # model has no gate left, and a pattern that matches nothing would refuse to build it.
     overrides['trainable'] = None

@@ -76,13 +76,22 @@ def parameter_path(path) -> str:
   return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
 
 
-def trainable_labels(params: PyTree, pattern: str | None) -> PyTree:
-  """'train' / 'frozen' per parameter: frozen unless its path matches `pattern` (re.search)."""
+def _labels(params: PyTree, pattern: str | None) -> PyTree:
   if pattern is None:
     return jax.tree.map(lambda _: 'train', params)
   regex = re.compile(pattern)
-  labels = jax.tree_util.tree_map_with_path(
+  return jax.tree_util.tree_map_with_path(
       lambda path, _: 'train' if regex.search(parameter_path(path)) else 'frozen', params)
+
+
+def trains_any(params: PyTree, pattern: str | None) -> bool:
+  """Whether `config.trainable=pattern` leaves some parameter of `params` trainable."""
+  return 'train' in jax.tree.leaves(_labels(params, pattern))
+
+
+def trainable_labels(params: PyTree, pattern: str | None) -> PyTree:
+  """'train' / 'frozen' per parameter: frozen unless its path matches `pattern` (re.search)."""
+  labels = _labels(params, pattern)
   if 'train' not in jax.tree.leaves(labels):
     raise ValueError(f'config.trainable={pattern!r} matches no parameter; paths look like '
                      f'{parameter_path(jax.tree_util.tree_flatten_with_path(params)[0][0][0])!r}.')
