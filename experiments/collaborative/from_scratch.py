@@ -113,6 +113,10 @@ def main():
                                overrides=fields)
         runs.append(dataclasses.replace(
             run, config={'kind': kind, 'key_width': key_width, **run.config}))
+  # Seed by seed, and both kinds at a key width side by side: a grid stopped part way has
+  # comparable pairs rather than one kind's whole sweep.
+  runs.sort(key=lambda r: (args.seeds.index(r.seed), args.key_widths.index(r.config['key_width']),
+                           KINDS.index(r.config['kind'])))
   if args.plot_only:
     results = runner.load_results(args.out)
   else:
