@@ -495,10 +495,21 @@ def history(results: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
 
 
 def runs_summary(results: Mapping[str, Any]) -> str:
-  """A README line: how many runs, their run time, and the machines they ran on."""
+  """A README line: how many runs, their run time, and the machines they ran on.
+
+  A grid that is not through yet says so: 'N of M runs finished (still to run: ...)'.
+  """
   runs = results['runs']
   if not runs:
     return 'No finished runs.'
+  unfinished = results.get('unfinished', [])
+  failed = [f['name'] for f in results.get('failed', [])]
+  count = f'{len(runs)} runs'
+  if unfinished or failed:
+    count = (f'{len(runs)} of {len(runs) + len(unfinished) + len(failed)} runs finished ('
+             + '; '.join(f'{label}: {", ".join(names)}'
+                         for label, names in [('failed', failed), ('still to run', unfinished)]
+                         if names) + ')')
   times = [run.get('wall_time_total_s', run['wall_time_s']) for run in runs]
   machines = []
   for run in runs:
@@ -508,7 +519,7 @@ def runs_summary(results: Mapping[str, Any]) -> str:
             f"jax {m.get('jax', '?')}")
     if line not in machines:
       machines.append(line)
-  return (f'{len(runs)} runs, {_duration(sum(times))} of run time in all (longest '
+  return (f'{count}, {_duration(sum(times))} of run time in all (longest '
           f'{_duration(max(times))}), on ' + '; '.join(machines) + '.')
 
 

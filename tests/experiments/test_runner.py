@@ -219,6 +219,10 @@ def test_results_collected_after_each_run_and_from_done_files(tmp_path):
   summary = runner.runs_summary(results)
   assert re.match(r'3 runs, \d+ s of run time in all \(longest \d+ s\), on ', summary)
   assert f"jax {first['machine']['jax']}" in summary and summary.count(' on ') == 1
+  partial = {**results, 'runs': results['runs'][:1], 'unfinished': ['r2'],
+             'failed': [{'name': 'r1', 'why': 'exit 1'}]}
+  assert runner.runs_summary(partial).startswith(
+      '1 of 3 runs finished (failed: r1; still to run: r2), ')
   assert runner.load_results(out) == results
 
   # The work tree wiped, the run directories kept: results.json comes back, nothing reruns.
