@@ -502,14 +502,13 @@ def runs_summary(results: Mapping[str, Any]) -> str:
   runs = results['runs']
   if not runs:
     return 'No finished runs.'
-  unfinished = results.get('unfinished', [])
   failed = [f['name'] for f in results.get('failed', [])]
-  count = f'{len(runs)} runs'
-  if unfinished or failed:
-    count = (f'{len(runs)} of {len(runs) + len(unfinished) + len(failed)} runs finished ('
-             + '; '.join(f'{label}: {", ".join(names)}'
-                         for label, names in [('failed', failed), ('still to run', unfinished)]
-                         if names) + ')')
+  unfinished = results.get('unfinished', [])
+  left = [f'{label}: {", ".join(names)}'
+          for label, names in (('failed', failed), ('still to run', unfinished)) if names]
+  total = len(runs) + len(failed) + len(unfinished)
+  count = f'{len(runs)} of {total} runs finished ({"; ".join(left)})' if left else (
+      f'{len(runs)} runs')
   times = [run.get('wall_time_total_s', run['wall_time_s']) for run in runs]
   machines = []
   for run in runs:
