@@ -13,8 +13,9 @@ twice, as runs of `experiments/runner.py`: evaluated as it is (one step at learn
 which leaves every parameter unchanged, so the run's final evaluation scores the converted
 model), and fine-tuned for `--finetune_steps` (cosine schedule, peak `--learning_rate`; the
 per-head SVD's mixing frozen so it stays concat heads). The source itself is evaluated the same
-way. BLEU (beam of the source config, sacreBLEU) on test_2016_flickr and validation from each
-run's final evaluation; table in the README. Resumable: rerun the same command.
+way and, as the control for what the extra steps do on their own, fine-tuned the same way.
+BLEU (beam of the source config, sacreBLEU) on test_2016_flickr and validation from each run's
+final evaluation; table in the README. Resumable: rerun the same command.
 """
 
 import json
@@ -73,8 +74,16 @@ def main():
                              overrides={**common, **fields})
     return runner.Run(name, train.command, config={**config, **train.config}, seed=train.seed)
 
+  tune = {'num_train_steps': args.finetune_steps, 'learning_rate': args.learning_rate,
+          'warmup_steps': max(args.finetune_steps // 10, 1), 'lr_schedule': 'cosine',
+          'checkpoint_every_steps': max(args.finetune_steps // 3, 1), 'eval_every_steps': 0,
+          'decode.num_examples': 0}
+  width = source.model.cfg.emb_dim
+  # The original fine-tuned the same way is the control: what the extra steps do on their own.
   runs = [run('original', {**EVALUATE_ONLY, 'init_from': source.workdir}, method='original',
-              key_dim=source.model.cfg.emb_dim, finetuned=False)]
+              key_dim=width, finetuned=False),
+          run('original-ft', {**tune, 'init_from': source.workdir}, method='original',
+              key_dim=width, finetuned=True)]
   errors = {}
   for key_dim in args.key_dims:
     for method in args.methods:
@@ -89,14 +98,9 @@ def main():
       fields = {**conversion['overrides'], 'init_from': str(directory)}
       runs.append(run(name, {**EVALUATE_ONLY, **fields}, method=method, key_dim=key_dim,
                       finetuned=False))
-      tune = {'num_train_steps': args.finetune_steps, 'learning_rate': args.learning_rate,
-              'warmup_steps': max(args.finetune_steps // 10, 1), 'lr_schedule': 'cosine',
-              'checkpoint_every_steps': max(args.finetune_steps // 3, 1), 'eval_every_steps': 0,
-              'decode.num_examples': 0}
-      if method == 'per_head_svd':
-        tune['trainable'] = '^(?!.*mixing)'
-      runs.append(run(f'{name}-ft', {**fields, **tune}, method=method, key_dim=key_dim,
-                      finetuned=True))
+      frozen = {'trainable': '^(?!.*mixing)'} if method == 'per_head_svd' else {}
+      runs.append(run(f'{name}-ft', {**fields, **tune, **frozen}, method=method,
+                      key_dim=key_dim, finetuned=True))
   if args.plot_only:
     results = runner.load_results(args.out)
   else:
