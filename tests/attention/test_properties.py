@@ -6,7 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lowrank_attn import attention as A
@@ -64,12 +64,18 @@ def test_collaborative_concatenate_full_width_equals_concat(make_params, s):
 
 @SETTINGS
 @given(shapes(), st.sampled_from(['concat', 'collaborative', 'talking_heads']))
+@example(s={'heads': 3, 'head_dim': 6, 'in_features': 1, 'in_kv_features': 1, 'out_features': 1,
+            'batch': 1, 'q_length': 1, 'kv_length': 1, 'use_bias': False, 'seed': 2},
+         kind='concat')  # 1 ulp apart: the two programs round differently
 def test_gated_with_open_gates_equals_base_kind(make_params, s, kind):
   base, x, y, mask = build(s, kind=kind, qkv_features=s['heads'] * s['head_dim'])
   params = make_params(base, s['seed'])
   gated = dataclasses.replace(base, gated=True)
   open_gates = {**params, 'gate_log_alpha': jnp.full((s['heads'],), 2.5)}
-  np.testing.assert_array_equal(out(open_gates, gated, x, y, mask), out(params, base, x, y, mask))
+  # The gates are exactly 1, but the two programs may fuse the output projection differently:
+  # equal up to float32 rounding (a gate off by 1e-3 is far outside this).
+  np.testing.assert_allclose(out(open_gates, gated, x, y, mask), out(params, base, x, y, mask),
+                             rtol=1e-6, atol=1e-7)
 
 
 @SETTINGS
