@@ -10,7 +10,7 @@ ifneq ($(wildcard ../shared/data/.),)
 export LOWRANK_ATTN_DATA ?= $(abspath ../shared/data)
 endif
 
-.PHONY: train test test-all test-gpu test-tpu bench format venv
+.PHONY: train test test-unit test-all test-gpu test-tpu bench format venv
 
 venv: $(STAMP)
 
@@ -36,6 +36,12 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PYTEST) -m "not gpu" tests
+
+# The fast tier (< 3 minutes on 2 cores): `make test` less the tests that start the command
+# line or a worker process or train end to end (marked integration: tests/conftest.py lists
+# them, and under --unit fails an unmarked test that does either).
+test-unit: $(STAMP)
+	$(PYTEST) --unit tests
 
 # The GPU tests (tests/gpu: cuDNN attention against the materialising path), on a machine with
 # an NVIDIA GPU and a CUDA build of jax (they passed on an H100 with jax 0.11.2 and its cuda13

@@ -33,7 +33,7 @@ import flax
 from flax import nnx
 
 from lowrank_attn import attention
-from lowrank_attn.attention import blockwise
+from lowrank_attn.attention.spec import DEFAULT_BLOCK_SIZE
 from lowrank_attn.nn import MultiHeadAttention
 
 SHAPES = [  # (batch, length, D, heads)
@@ -282,7 +282,7 @@ def main(argv=None):
   parser.add_argument('--long_batch', type=int, default=LONG_BATCH)
   parser.add_argument('--long_dim', type=int, default=LONG_D)
   parser.add_argument('--long_heads', type=int, default=LONG_HEADS)
-  parser.add_argument('--block_size', type=int, default=blockwise.DEFAULT_BLOCK_SIZE)
+  parser.add_argument('--block_size', type=int, default=DEFAULT_BLOCK_SIZE)
   parser.add_argument('--max_temp_gb', type=float, default=6.0,
                       help='--long: do not run programs needing more temporary memory')
   args = parser.parse_args(argv)

@@ -25,6 +25,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from lowrank_attn import tasks
 from lowrank_attn import data
 
 _BATCH = flags.DEFINE_integer('global_batch_size', 64, 'Rows per batch.')
@@ -112,7 +113,7 @@ def translation_pipeline(
       packing=packing,
       num_workers=num_workers,
   )
-  return data.make_pipeline(
+  return tasks.make_pipeline(
       config, split='train', seed=0, global_batch_size=_BATCH.value, train=True, workdir=workdir
   )
 

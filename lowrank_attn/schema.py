@@ -68,7 +68,8 @@ def config_dict(cls, *, exclude: tuple[str, ...] = (), inherit: bool = False,
     cls: the schema dataclass.
     exclude: fields the config does not set (e.g. sizes a model fills in).
     inherit: every entry starts as None, meaning "inherit from elsewhere" (per-type overrides).
-    **values: starting values instead of the dataclass defaults.
+    **values: starting values instead of the dataclass defaults (a mapping, or an instance,
+      for a field whose type is itself a dataclass: it becomes a nested ConfigDict).
   """
   unknown = set(values) - {f.name for f in fields(cls, exclude)}
   if unknown:
@@ -77,7 +78,10 @@ def config_dict(cls, *, exclude: tuple[str, ...] = (), inherit: bool = False,
   for field in fields(cls, exclude):
     value = None if inherit else values.get(field.name, field.default)
     kind = _field_type(field.type)
-    if value is None or kind is object:
+    if dataclasses.is_dataclass(kind) and not inherit:  # a nested group: a nested ConfigDict
+      given = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value or {}
+      entries[field.name] = config_dict(kind, **given)
+    elif value is None or kind is object:
       entries[field.name] = ml_config_dict.FieldReference(value, field_type=kind)
     else:
       entries[field.name] = value

@@ -24,36 +24,16 @@ Compiled searches are cached in --compilation_cache (default ~/.cache/lowrank_at
 second call on the same run with the same settings does not compile again.
 """
 
+import dataclasses
 import gzip
-import json
 import os
 import sys
 import time
+from typing import Any
 
 from absl import app, flags, logging
 
-flags.DEFINE_string('workdir', None, 'The training run: its directory (config.json, '
-                    'checkpoints/, tokenizers/).')
-flags.DEFINE_string('input', '-', 'Source sentences, one per line (.gz read as gzip); - = stdin.')
-flags.DEFINE_string('output', '-', 'Where the translations go, one per line; - = stdout.')
-flags.DEFINE_integer('beam_size', None, 'Beam size (1 = greedy); default: the run\'s '
-                     'decode.beam_size.')
-flags.DEFINE_integer('batch_size', None, 'Sentences per search call (rounded up to fill every '
-                     'device); default: the run\'s per_device_batch_size x devices, as the end of '
-                     'training evaluates.')
-flags.DEFINE_integer('step', None, 'Checkpoint step; default: the latest.')
-flags.DEFINE_integer('average_last', 1, 'Translate with the mean parameters of the last N '
-                     'checkpoints up to --step (checkpoint averaging); 1: that one only.')
-flags.DEFINE_float('length_penalty', None, 'alpha of the beam score log p / ((5 + len) / 6)^alpha; '
-                   'default: the run\'s decode.length_penalty.')
-flags.DEFINE_integer('max_length', None, 'Longest translation, in tokens; default: the run\'s '
-                     'decode.max_length.')
-flags.DEFINE_string('reference', None, 'Reference translations, one per line (.gz allowed): '
-                    'print BLEU and chrF.')
-flags.DEFINE_string('compilation_cache', os.path.join('~', '.cache', 'lowrank_attn', 'jax'),
-                    'JAX persistent compilation cache directory; empty: none.')
-flags.mark_flag_as_required('workdir')
-FLAGS = flags.FLAGS
+from lowrank_attn import runs  # standard library only: a wrong --workdir fails at once
 
 USAGE_ERROR = 2
 # Over-long lines are named one by one up to this many, then counted.
@@ -69,33 +49,22 @@ def fail(message: str):
   sys.exit(USAGE_ERROR)
 
 
-# As in lowrank_attn.train.checkpoints, which is not imported for these checks: importing it
-# (JAX, Orbax) takes seconds, and a wrong --workdir should fail at once.
-CONFIG_FILE = 'config.json'
-CHECKPOINT_DIR = 'checkpoints'
-
-
-def checkpoint_steps(workdir: str) -> list[int]:
-  """Committed checkpoint steps, ascending: `checkpoints/<step>` directories (a half-written
-  save has another name)."""
-  directory = os.path.join(workdir, CHECKPOINT_DIR)
-  if not os.path.isdir(directory):
-    return []
-  return sorted(int(name) for name in os.listdir(directory)
-                if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+# ------------------------------------------------------------------------------ library
+# What the command does, for scripts too (experiments.multi30k.final_scores); importing this
+# module defines no flags.
 
 
 def check_run(workdir: str, step: int | None) -> int:
   """The checkpoint step to restore, or UsageError (without importing JAX: fails fast)."""
-  if not os.path.isdir(workdir):
+  run = runs.RunDir(workdir)
+  if not os.path.isdir(run.path):
     raise UsageError(f'--workdir={workdir}: no such directory.')
-  if not os.path.isfile(os.path.join(workdir, CONFIG_FILE)):
-    raise UsageError(f'--workdir={workdir} is not a training run: it has no {CONFIG_FILE}.')
-  steps = checkpoint_steps(workdir)
+  if not run.is_run():
+    raise UsageError(f'--workdir={workdir} is not a training run: it has no {runs.CONFIG_FILE}.')
+  steps = run.steps()
   if not steps:
-    raise UsageError(f'--workdir={workdir} has no checkpoint in '
-                     f'{os.path.join(workdir, CHECKPOINT_DIR)} (a run saves one every '
-                     'checkpoint_every_steps and at its end).')
+    raise UsageError(f'--workdir={workdir} has no checkpoint in {run.checkpoint_dir} (a run '
+                     'saves one every checkpoint_every_steps and at its end).')
   if step is None:
     return steps[-1]
   if step not in steps:
@@ -125,21 +94,78 @@ def read_lines(path: str, what: str) -> list[str]:
 
 
 def run_config(workdir: str):
-  """The run's config: its config.json over the defaults of its task (fields added since the
-  run was made keep their defaults)."""
+  """The run's config (`RunDir.config`: its config.json over the defaults of its task),
+  validated; UsageError unless it is a valid translation run."""
   from lowrank_attn.train import config as config_lib
 
-  with open(os.path.join(workdir, CONFIG_FILE)) as f:
-    saved = json.load(f)
-  task = saved.get('task')
-  if task != 'nmt':
-    raise UsageError(f'--workdir={workdir} is a {task!r} run; translate needs an nmt run.')
   try:
-    config = config_lib.from_dict(saved)
-    config_lib.validate(config)
+    config = runs.RunDir(workdir).config
+    # A task that decodes owns the `decode` settings (`lowrank_attn.tasks.nmt`).
+    decodes = 'decode' in config
+    if decodes:
+      config_lib.validate(config)
   except ValueError as e:
-    raise UsageError(f'{workdir}/{CONFIG_FILE}: {e}') from None
+    raise UsageError(f'{workdir}/{runs.CONFIG_FILE}: {e}') from None
+  if not decodes:
+    raise UsageError(f'--workdir={workdir} is a {config.task!r} run; translate needs a run of a '
+                     'task that decodes (nmt).')
   return config
+
+
+@dataclasses.dataclass
+class TranslationRun:
+  """A translation run set up on this machine's devices: what `Translator`s are made of."""
+
+  run: runs.RunDir
+  config: Any  # the run's validated config, its mesh fitted to these devices
+  tokenizer: Any
+  setup: Any  # `lowrank_attn.train.state.Setup`
+
+  @property
+  def abstract_params(self):
+    """Shapes and shardings of the parameters: what `run.restore_params` lays out as."""
+    return self.setup.abstract_state['params']
+
+  def translator(self, params, *, beam_size: int | None = None,
+                 length_penalty: float | None = None, max_length: int | None = None,
+                 batch_size: int | None = None):
+    """A `decode.Translator` of `params`; settings default to the run's `decode` ones, the
+    batch size to the one the end of training evaluates with."""
+    from lowrank_attn.train import decode
+
+    config = self.config
+    return decode.Translator(
+        self.setup, params, self.tokenizer, beam_size=beam_size or config.decode.beam_size,
+        length_penalty=(config.decode.length_penalty if length_penalty is None
+                        else length_penalty),
+        max_length=max_length or config.decode.max_length,
+        batch_size=batch_size or decode.default_batch_size(config),
+        source_max_length=config.data.max_length)
+
+
+def open_run(workdir: str, config=None) -> TranslationRun:
+  """Translation run `workdir` (its config: `run_config`, or `config`) set up on all local
+  devices, shaped as the run's mesh, or all data-parallel if that shape does not fit.
+
+  Raises UsageError for what the command reports in one line (exit status 2).
+  """
+  import jax
+
+  from lowrank_attn import sharding
+
+  run = runs.RunDir(workdir)
+  config = run_config(workdir) if config is None else config
+  try:
+    tokenizer = run.tokenizer
+  except FileNotFoundError as e:
+    raise UsageError(f'--workdir={workdir}: {e}') from None
+  try:
+    sharding.mesh_shape(config.mesh.to_dict(), jax.device_count())
+  except ValueError as e:  # the run's mesh does not fit these devices: all data-parallel
+    say(f'translate: the run\'s mesh does not fit here ({e}); using the '
+        f'{jax.device_count()} devices data-parallel.')
+    config.mesh.update({'data': -1, 'fsdp': 1, 'tensor': 1})
+  return TranslationRun(run, config, tokenizer, run.setup(config))
 
 
 class ProgressBar:
@@ -201,8 +227,7 @@ def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-
   import jax
   if compilation_cache:
     jax.config.update('jax_compilation_cache_dir', os.path.expanduser(compilation_cache))
-  from lowrank_attn import data as data_lib, sharding
-  from lowrank_attn.train import checkpoints, decode, state as state_lib
+  from lowrank_attn.train import decode
 
   config = run_config(workdir)
   beam_size = beam_size or config.decode.beam_size
@@ -211,32 +236,18 @@ def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-
   if config.model.positions == 'learned' and max_length > model_max:
     raise UsageError(f'--max_length={max_length}: the model has learned positions up to '
                      f'model.max_length={model_max}.')
-  try:
-    tokenizer = data_lib.load_tokenizer(config.data, workdir)
-  except FileNotFoundError as e:
-    raise UsageError(f'--workdir={workdir}: {e}') from None
-  try:
-    sharding.mesh_shape(config.mesh.to_dict(), jax.device_count())
-  except ValueError as e:  # the run's mesh does not fit these devices: all data-parallel
-    say(f'translate: the run\'s mesh does not fit here ({e}); using the '
-        f'{jax.device_count()} devices data-parallel.')
-    config.mesh.update({'data': -1, 'fsdp': 1, 'tensor': 1})
-  s = state_lib.setup(config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
-  steps = [k for k in checkpoint_steps(workdir) if k <= step][-average_last:]
+  opened = open_run(workdir, config)
+  steps = opened.run.last_steps(average_last, up_to=step)
   if len(steps) < average_last:
     raise UsageError(f'--average_last={average_last}: {workdir} holds only {len(steps)} '
                      f'checkpoints up to step {step} ({steps}).')
-  params = [checkpoints.restore_params(workdir, k, s.abstract_state['params']) for k in steps]
-  params = jax.tree.map(lambda *p: sum(p) / len(p), *params)  # checkpoint averaging
-  if length_penalty is None:
-    length_penalty = config.decode.length_penalty
-  translator = decode.Translator(
-      s, params, tokenizer, beam_size=beam_size, length_penalty=length_penalty,
-      max_length=max_length, batch_size=batch_size or decode.default_batch_size(config),
-      source_max_length=config.data.max_length)
+  params = opened.run.averaged_params(steps, opened.abstract_params)  # checkpoint averaging
+  translator = opened.translator(params, beam_size=beam_size, length_penalty=length_penalty,
+                                 max_length=max_length, batch_size=batch_size)
   averaged = f' (mean of steps {steps})' if len(steps) > 1 else ''
+  mesh = dict(opened.setup.mesh.shape)
   say(f'translate: {workdir} step {step}{averaged}, {len(sources)} sentences, beam {beam_size}, '
-      f'batch {translator.batch_size}, mesh {dict(s.mesh.shape)} on {jax.device_count()} '
+      f'batch {translator.batch_size}, mesh {mesh} on {jax.device_count()} '
       f'{jax.devices()[0].platform} device(s); ready after {time.perf_counter() - started:.1f} s')
 
   result = translator.translate(sources, progress=ProgressBar(len(sources)))
@@ -271,9 +282,39 @@ def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-
   return out
 
 
+# ------------------------------------------------------------------------------ command line
+
+
+def define_flags() -> None:
+  """The command's flags (defined when run as a program only: importing defines none)."""
+  flags.DEFINE_string('workdir', None, 'The training run: its directory (config.json, '
+                      'checkpoints/, tokenizers/).')
+  flags.DEFINE_string('input', '-', 'Source sentences, one per line (.gz read as gzip); '
+                      '- = stdin.')
+  flags.DEFINE_string('output', '-', 'Where the translations go, one per line; - = stdout.')
+  flags.DEFINE_integer('beam_size', None, 'Beam size (1 = greedy); default: the run\'s '
+                       'decode.beam_size.')
+  flags.DEFINE_integer('batch_size', None, 'Sentences per search call (rounded up to fill '
+                       'every device); default: the run\'s per_device_batch_size x devices, as '
+                       'the end of training evaluates.')
+  flags.DEFINE_integer('step', None, 'Checkpoint step; default: the latest.')
+  flags.DEFINE_integer('average_last', 1, 'Translate with the mean parameters of the last N '
+                       'checkpoints up to --step (checkpoint averaging); 1: that one only.')
+  flags.DEFINE_float('length_penalty', None, 'alpha of the beam score log p / ((5 + len) / '
+                     '6)^alpha; default: the run\'s decode.length_penalty.')
+  flags.DEFINE_integer('max_length', None, 'Longest translation, in tokens; default: the '
+                       'run\'s decode.max_length.')
+  flags.DEFINE_string('reference', None, 'Reference translations, one per line (.gz allowed): '
+                      'print BLEU and chrF.')
+  flags.DEFINE_string('compilation_cache', os.path.join('~', '.cache', 'lowrank_attn', 'jax'),
+                      'JAX persistent compilation cache directory; empty: none.')
+  flags.mark_flag_as_required('workdir')
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  FLAGS = flags.FLAGS  # pylint: disable=invalid-name
   if not FLAGS['verbosity'].present:  # library INFO logs (Orbax) would drown the progress
     logging.set_verbosity(logging.WARNING)
   try:
@@ -287,4 +328,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

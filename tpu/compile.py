@@ -14,7 +14,7 @@ the batch that the training pipeline would give (its keys, `per_device_batch_siz
 `grad_accum_steps` rows of `data.max_length`), and no data read.
 
 Printed per chip: XLA's argument / output / temporary memory against the chip's HBM
-(`tpu/chips.py`); the step's FLOPs from XLA's cost analysis against the analytic count the
+(`lowrank_attn/chips.py`); the step's FLOPs from XLA's cost analysis against the analytic count the
 training loop divides by (`Setup.step_flops`); XLA's estimated step time
 (`optimal_seconds` of the cost analysis); the MFU and tokens/s that time implies. A program
 that does not fit stops with `DoesNotFit`, naming its biggest buffers.
@@ -23,6 +23,7 @@ Topologies are libtpu's names, chip:shape: v4:2x2x1 (gcloud v4-8), v5e:4x4 (v5li
 v5p:2x2x4 (v5p-32), v6e:2x4 (v6e-8).
 """
 
+import copy
 import dataclasses
 from importlib import metadata
 import os
@@ -42,13 +43,11 @@ from jax.experimental import topologies
 from ml_collections import config_flags
 import numpy as np
 
+from lowrank_attn import chips
 from lowrank_attn import data
-from lowrank_attn.attention import blockwise
-from lowrank_attn.data import tokenizers, transforms
+from lowrank_attn import tasks
+from lowrank_attn.data import tokenizers
 from lowrank_attn.train import config as config_lib, state as state_lib
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import chips  # noqa: E402  (a sibling script module, not part of the package)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # libtpu spells v5p 'v5'; the others as we do.
@@ -124,10 +123,9 @@ def vocab_size(config) -> int:
 def batch_spec(config, num_devices: int) -> dict:
   """The training pipeline's `element_spec` (one process, the whole slice's rows), no data."""
   rows = config.per_device_batch_size * num_devices * config.grad_accum_steps
-  packed_pairs = config.task == 'nmt' and config.data.packing
-  return {key: data.ArraySpec((rows, config.data.max_length),
-                              np.dtype(np.float32 if key == 'weights' else np.int32))
-          for key in transforms.batch_keys(config.task, packed_pairs)}
+  data_config = data.as_data_config(config.data)
+  return tasks.get(config.task).data_format.element_spec(data_config, batch_size=rows,
+                                                         train=True)
 
 
 # ------------------------------------------------------------------------------ report
@@ -301,13 +299,15 @@ def compile_train_step(config, topology: str, *, name: str = 'config',
                        vocab: int | None = None, dump_hlo: str | None = None) -> Report:
   """AOT-compiles `config`'s train step for `topology`; raises DoesNotFit when it won't fit."""
   config_lib.validate(config)
+  # 'cudnn'/'splash' are checked against the TPU compiled for, not this host's backend.
+  config = copy.deepcopy(config)
+  config.model.attention.platform = 'tpu'
   devices, chip = topology_devices(topology)
   s = state_lib.setup(config, vocab_size=vocab or vocab_size(config),
                       bos_id=tokenizers.BOS_ID, devices=devices)
   spec = batch_spec(config, len(devices))
   start = time.perf_counter()
-  with blockwise.target_platform('tpu'):  # implementation='splash' checks for a TPU
-    lowered, _ = state_lib.lower_steps(s, spec)
+  lowered, _ = state_lib.lower_steps(s, spec)
   try:
     compiled = lowered.compile()
   except Exception as e:  # XlaRuntimeError; its type is not public API
@@ -381,7 +381,7 @@ def write_table(config_names, topology_names, out: str | None) -> str:
   head = [f'Written by `python tpu/compile.py --table` (jax {jax.__version__}, libtpu '
           f'{_libtpu_version()}), per chip. Step time: XLA\'s estimate (* where it gave none: '
           'the roofline of its FLOPs and bytes, a lower bound); MFU = analytic FLOPs / step '
-          'time / published bf16 peak (`tpu/chips.py`).', '', TABLE_HEADER]
+          'time / published bf16 peak (`lowrank_attn/chips.py`).', '', TABLE_HEADER]
   rows = []
   for topology in topology_names:
     for name in config_names:

@@ -29,8 +29,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import chips  # noqa: E402  (a sibling script module, not part of the package)
+from lowrank_attn import chips  # plain Python: `pip install --no-deps -e .` is enough here
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REMOTE_DIR = '~/lowrank_attn'
@@ -235,7 +234,8 @@ def parse_args(argv=None):
   parser.add_argument('--project', help='default: gcloud config get-value project')
   parser.add_argument('--type', help="accelerator type: 'v4-32', 'v5litepod-16' (= 'v5e-16'), "
                       "'v5p-32', 'v6e-8' (create, up, watch)")
-  parser.add_argument('--runtime_version', help='default: the chip\'s JAX runtime (tpu/chips.py)')
+  parser.add_argument('--runtime_version',
+                      help="default: the chip's JAX runtime (lowrank_attn/chips.py)")
   parser.add_argument('--spot', action='store_true', help='spot capacity (preemptible, cheap)')
   parser.add_argument('--preemptible', action='store_true', help='legacy preemptible VM')
   parser.add_argument('--queued', action='store_true',

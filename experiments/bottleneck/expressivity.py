@@ -22,23 +22,19 @@ Results: results.json, expressivity_*.png and the README's table.
 
 import json
 import math
-import os
 import pathlib
 import sys
 import time
 
-from flax import nnx
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from experiments import runner
 from experiments.bottleneck import sweep
-from lowrank_attn import data, models
+from lowrank_attn import data
 from lowrank_attn.analysis import rank
 from lowrank_attn.attention import causal_mask
-from lowrank_attn.data import CharTokenizer
-from lowrank_attn.train import checkpoints, config as config_lib
+from lowrank_attn.runs import RunDir, write_atomic
 
 HERE = pathlib.Path(__file__).parent
 LENGTHS = (16, 32, 64, 128)
@@ -82,15 +78,9 @@ def train_source(runs_dir: pathlib.Path) -> pathlib.Path:
 
 
 def load_model(rundir: pathlib.Path):
-  """(model, tokenizer) of a finished training run, from its config.json and checkpoint."""
-  config = ml_collections.ConfigDict(json.loads((rundir / 'config.json').read_text()))
-  (tokenizer_file,) = (rundir / 'tokenizers').glob('*char*')
-  tokenizer = CharTokenizer.from_bytes(tokenizer_file.read_bytes())
-  cfg = config_lib.model_config(config, tokenizer.vocab_size)
-  graphdef, state = nnx.split(models.DecoderLM(cfg, rngs=nnx.Rngs(0)))
-  _, trained = checkpoints.load_state(str(rundir))
-  nnx.replace_by_pure_dict(state, trained['params'])
-  return nnx.merge(graphdef, state), tokenizer, config
+  """(model, tokenizer, config) of a finished training run: its latest checkpoint's model."""
+  run = RunDir(rundir)
+  return run.model(), run.tokenizer, run.config
 
 
 def validation_windows(rundir: pathlib.Path, tokenizer, n: int, count: int, rng):
@@ -314,9 +304,7 @@ def main(argv=None):
     results['wall_time_s'] = time.time() - start
     results['cpu_time_s'] = time.process_time() - cpu_start
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / 'expressivity.json.tmp'
-    tmp.write_text(json.dumps(results, indent=1))
-    os.replace(tmp, out_dir / 'expressivity.json')
+    write_atomic(out_dir / 'expressivity.json', json.dumps(results, indent=1))
   runner.write_section(out_dir / 'README.md', 'expressivity', report(results, out_dir))
   return results
 

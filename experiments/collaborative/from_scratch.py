@@ -33,7 +33,7 @@ import jax
 
 from experiments import runner
 from lowrank_attn import models
-from lowrank_attn.reparam import with_overrides
+from lowrank_attn.runs import with_overrides
 from lowrank_attn.train import config as config_lib
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -46,7 +46,7 @@ from experiments import runner
 from lowrank_attn.data import raw_files
 from lowrank_attn.data.tokenizers import WordPieceTokenizer
 from lowrank_attn.models import bert
-from lowrank_attn.reparam import attention_layers, to_collaborative, to_low_rank_concat
+from lowrank_attn.reparam import to_collaborative, to_low_rank_concat
 
 HERE = pathlib.Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / 'minilm'
@@ -170,7 +170,7 @@ def embed(model, pooling, ids: list[list[int]]) -> np.ndarray:
 
 def attention_cost(model, length: int) -> dict[str, float]:
   """Parameters of all attention layers and their forward MFLOPs for one sentence."""
-  layers = [layer for _, layer in attention_layers(model, 'encoder')]
+  layers = model.attention_layers()['encoder']
   return {'attention_params': sum(layer.spec.num_params() for layer in layers),
           'attention_mflops': sum(layer.spec.flops(1, length) for layer in layers) / 1e6}
 

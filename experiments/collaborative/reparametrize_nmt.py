@@ -9,7 +9,7 @@ attention of `--types` converted at each key width D~k by `collaborative` (CP, l
 kept), `collaborative_rescaled` (the paper's code's scale 1/sqrt(D~k / heads)) and
 `per_head_svd` (each head truncated to rank D~k / heads). Each converted model is written as a
 run directory (`lowrank_attn.reparam.write_run`) and then goes through the normal training CLI
-twice, as runs of `experiments/runner.py`: evaluated as it is (one step at learning rate 0,
+twice, as runs of `experiments/runner/`: evaluated as it is (one step at learning rate 0,
 which leaves every parameter unchanged, so the run's final evaluation scores the converted
 model), and fine-tuned for `--finetune_steps` (cosine schedule, peak `--learning_rate`; the
 per-head SVD's mixing frozen so it stays concat heads). The source itself is evaluated the same
@@ -22,9 +22,8 @@ import json
 import pathlib
 
 from experiments import runner
-from lowrank_attn import pruning
-from lowrank_attn.reparam import (
-    to_collaborative, to_low_rank_concat, with_overrides, write_run)
+from lowrank_attn.reparam import to_collaborative, to_low_rank_concat, write_run
+from lowrank_attn.runs import RunDir, with_overrides
 
 HERE = pathlib.Path(__file__).resolve().parent
 METHODS = ('collaborative', 'collaborative_rescaled', 'per_head_svd')
@@ -64,13 +63,14 @@ def convert(model, method: str, key_dim: int, types):
 
 def main():
   args = arguments()
-  source = pruning.load_run(args.source)
-  data = pruning.data_overrides(args.source, source.config)
+  source = RunDir(args.source)
+  source_config, source_model = source.config, source.model()
+  data = source.data_overrides()
   converted_dir = pathlib.Path(args.runs_dir).resolve() / 'converted'
   common = {**data, **args.decode}
 
   def run(name, fields, **config):
-    train = runner.train_run(name, args.config, seed=source.config.seed,
+    train = runner.train_run(name, args.config, seed=source_config.seed,
                              overrides={**common, **fields})
     return runner.Run(name, train.command, config={**config, **train.config}, seed=train.seed)
 
@@ -78,11 +78,11 @@ def main():
           'warmup_steps': max(args.finetune_steps // 10, 1), 'lr_schedule': 'cosine',
           'checkpoint_every_steps': max(args.finetune_steps // 3, 1), 'eval_every_steps': 0,
           'decode.num_examples': 0}
-  width = source.model.cfg.emb_dim
+  width = source_model.cfg.emb_dim
   # The original fine-tuned the same way is the control: what the extra steps do on their own.
-  runs = [run('original', {**EVALUATE_ONLY, 'init_from': source.workdir}, method='original',
+  runs = [run('original', {**EVALUATE_ONLY, 'init_from': source.path}, method='original',
               key_dim=width, finetuned=False),
-          run('original-ft', {**tune, 'init_from': source.workdir}, method='original',
+          run('original-ft', {**tune, 'init_from': source.path}, method='original',
               key_dim=width, finetuned=True)]
   errors = {}
   for key_dim in args.key_dims:
@@ -91,8 +91,8 @@ def main():
       directory = converted_dir / name
       if not (directory / 'conversion.json').exists():
         print(f'converting: {name}', flush=True)
-        write_run(convert(source.model, method, key_dim, args.types), directory,
-                  with_overrides(source.config, data))
+        write_run(convert(source_model, method, key_dim, args.types), directory,
+                  with_overrides(source_config, data))
       conversion = json.loads((directory / 'conversion.json').read_text())
       errors[name] = conversion['relative_errors']
       fields = {**conversion['overrides'], 'init_from': str(directory)}

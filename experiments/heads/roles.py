@@ -64,9 +64,9 @@ def load_model(name: str):
       model = models.EncoderMLM(bert.bert_config(json.load(f)), rngs=nnx.Rngs(0))
     bert.load_bert_weights(model, safetensors.numpy.load_file(str(path / 'model.safetensors')))
     return model, WordPieceTokenizer(path / 'vocab.txt')
-  from lowrank_attn.pruning import load_run  # pylint: disable=g-import-not-at-top
-  run = load_run(name)
-  return run.model, run.tokenizer
+  from lowrank_attn.runs import RunDir  # pylint: disable=g-import-not-at-top
+  run = RunDir(name)
+  return run.model(), run.tokenizer
 
 
 def heat_maps(entries: list[dict], baselines: dict, out: pathlib.Path) -> list[str]:

@@ -59,10 +59,9 @@ def base_config_file(base: pathlib.Path, runs_dir: pathlib.Path) -> pathlib.Path
   path = runs_dir / 'base_config.py'
   path.write_text(
       f'"""The config of the baseline run {base} (its config.json)."""\n\n'
-      'import json\n\nfrom lowrank_attn.train import config as config_lib\n\n\n'
+      'from lowrank_attn.runs import RunDir\n\n\n'
       'def get_config():\n'
-      f'  with open({str(base / "config.json")!r}) as f:\n'
-      '    return config_lib.from_dict(json.load(f))\n')
+      f'  return RunDir({str(base)!r}).config\n')
   return path
 
 
@@ -79,11 +78,9 @@ def steps(*args) -> list[str]:
 
 
 def grid(base: pathlib.Path, runs_dir: pathlib.Path, s: Settings) -> list[runner.Run]:
-  from lowrank_attn import pruning  # pylint: disable=g-import-not-at-top
-  from lowrank_attn.train import config as config_lib  # pylint: disable=g-import-not-at-top
-  base_config = config_lib.from_dict(json.loads((base / 'config.json').read_text()))
+  from lowrank_attn.runs import RunDir  # pylint: disable=g-import-not-at-top
   config_file = str(base_config_file(base, runs_dir))
-  data = pruning.data_overrides(base, base_config)
+  data = RunDir(base).data_overrides()
   sentences = ['--num_sentences', s.num_sentences]  # and the beam: how every point is scored
   if s.beam_size:
     sentences += ['--beam_size', s.beam_size]
@@ -249,7 +246,8 @@ def main():
     results = runner.load_results(out)
   else:
     base = smoke_base(runs_dir, args) if args.smoke else pathlib.Path(args.base).resolve()
-    if not (base / 'config.json').exists():
+    from lowrank_attn.runs import RunDir  # pylint: disable=g-import-not-at-top
+    if not RunDir(base).is_run():
       raise SystemExit(f'--base={base} is not a trained run (no config.json); train it with '
                        'python -m lowrank_attn.main --config=configs/nmt.py:multi30k '
                        f'--workdir={base}')

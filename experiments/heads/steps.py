@@ -68,12 +68,12 @@ def recorded_bleu(run_dir: str, step: int, beam_size: int) -> dict | None:
           'bleu_signature': test.get('bleu_signature'), 'from': str(path)}
 
 
-def bleu(run_dir: str, out: pathlib.Path, args, run=None) -> dict:
+def bleu(run_dir: str, out: pathlib.Path, args, run=None, step: int | None = None) -> dict:
   """Test BLEU and chrF of a run directory, with `lowrank_attn.translate` (or what the run's
-  final evaluation recorded, when that is the same measurement)."""
+  final evaluation recorded at `step`, when that is the same measurement; `run`: its RunDir)."""
   from lowrank_attn import translate
   if run is not None and not args.num_sentences:
-    recorded = recorded_bleu(run_dir, run.step, args.beam_size or run.config.decode.beam_size)
+    recorded = recorded_bleu(run_dir, step, args.beam_size or run.config.decode.beam_size)
     if recorded is not None:
       return recorded
   source, reference = test_files(out, args.num_sentences)
@@ -103,18 +103,19 @@ def jax_leaves(tree):
 
 
 def analyse(args) -> None:
-  from lowrank_attn import analysis, data as data_lib, pruning
-  run = pruning.load_run(args.run)
-  batches = data_lib.make_pipeline(
+  from lowrank_attn import analysis, tasks
+  from lowrank_attn.runs import RunDir
+  run = RunDir(args.run)
+  model = run.model()
+  batches = tasks.make_pipeline(
       run.config.data, split='validation', seed=0, global_batch_size=args.batch_size,
-      train=False, workdir=run.workdir)
+      train=False, workdir=run.path)
   batches = [b for _, b in zip(range(args.max_batches or 10**9), batches)]
   result = {
-      'importance': analysis.head_importance(run.model, batches),
-      'importance_normalized': analysis.head_importance(run.model, batches,
-                                                        normalize_layers=True),
-      'confidence': analysis.head_confidence(run.model, batches, eos_id=run.tokenizer.eos_id),
-      'batches': len(batches), **model_size(run.model),
+      'importance': analysis.head_importance(model, batches),
+      'importance_normalized': analysis.head_importance(model, batches, normalize_layers=True),
+      'confidence': analysis.head_confidence(model, batches, eos_id=run.tokenizer.eos_id),
+      'batches': len(batches), **model_size(model),
   }
   write_result(pathlib.Path(args.out), result)
 
@@ -144,31 +145,34 @@ def keep_mask(args, model) -> dict:
 
 def evaluate(args) -> None:
   from lowrank_attn import pruning
+  from lowrank_attn.runs import RunDir
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  run = pruning.load_run(args.run)
-  result = {'run': run.workdir, 'step': run.step, 'prune': args.prune}
+  run = RunDir(args.run)
+  step = run.check_step()
+  model = run.model(step)
+  result = {'run': run.path, 'step': step, 'prune': args.prune}
   if args.prune is None:
-    write_result(out, {**result, **model_size(run.model), **bleu(run.workdir, out, args)})
+    write_result(out, {**result, **model_size(model), **bleu(run.path, out, args)})
     return
-  keep = keep_mask(args, run.model)
+  keep = keep_mask(args, model)
   if args.prune == 'gates':  # the gated model itself: pruning it must not change its BLEU
-    result['unpruned'] = {**model_size(run.model), **bleu(run.workdir, out, args, run)}
+    result['unpruned'] = {**model_size(model), **bleu(run.path, out, args, run, step)}
   pruned_dir = out / 'pruned'
   if pruned_dir.exists():  # an interrupted attempt: write it again
     shutil.rmtree(pruned_dir)
-  overrides = pruning.prune_run(run.workdir, keep, pruned_dir, step=run.step)
-  pruned = pruning.load_run(pruned_dir)
+  overrides = pruning.prune_run(run.path, keep, pruned_dir, step=step)
   result.update(keep={t: np.asarray(k).astype(int).tolist() for t, k in keep.items()},
-                overrides=overrides, **model_size(pruned.model),
+                overrides=overrides, **model_size(RunDir(pruned_dir).model()),
                 **bleu(str(pruned_dir), out, args))
   write_result(out, result)
 
 
 def retrain(args) -> None:
-  from lowrank_attn.train import config as config_lib, train
+  from lowrank_attn.runs import RunDir
+  from lowrank_attn.train import train
   pruned = pathlib.Path(args.pruned).resolve()
-  config = config_lib.from_dict(json.loads((pruned / 'config.json').read_text()))
+  config = RunDir(pruned).config
   config.init_from = str(pruned)
   config.trainable = None
   config.l0_penalty_weight = 0.0  # plain training of the pruned model (Michel et al.)
@@ -184,11 +188,11 @@ def retrain(args) -> None:
   out = pathlib.Path(args.out)
   train.train_and_evaluate(config, str(out))
   pruned_record = json.loads((pruned / 'pruning.json').read_text())
-  from lowrank_attn import pruning
-  retrained = pruning.load_run(out)
+  retrained = RunDir(out)
+  step = retrained.check_step()
   write_result(out, {'pruned_from': str(pruned), 'retrain_steps': args.steps,
-                     'keep': pruned_record['keep'], **model_size(retrained.model),
-                     **bleu(str(out), out, args, retrained)})
+                     'keep': pruned_record['keep'], **model_size(retrained.model(step)),
+                     **bleu(str(out), out, args, retrained, step)})
 
 
 def main(argv=None):

@@ -14,11 +14,8 @@ import json
 import os
 import pathlib
 
-import jax
-
-from lowrank_attn import data as data_lib
-from lowrank_attn import translate
-from lowrank_attn.train import checkpoints, decode, state as state_lib
+from lowrank_attn import runs, translate
+from lowrank_attn.train import decode
 
 
 def read(path):
@@ -35,15 +32,11 @@ def main():
   parser.add_argument('--out', help='folder for final_scores.md and results.json')
   args = parser.parse_args()
   data_dir = os.path.join(os.environ['LOWRANK_ATTN_DATA'], 'multi30k')
-  config = translate.run_config(args.workdir)
-  tokenizer = data_lib.load_tokenizer(config.data, args.workdir)
-  s = state_lib.setup(config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
-  steps = translate.checkpoint_steps(args.workdir)[-args.average_last:]
-  params = [checkpoints.restore_params(args.workdir, step, s.abstract_state['params'])
-            for step in steps]
+  opened = translate.open_run(args.workdir)
+  steps = opened.run.last_steps(args.average_last)
+  params = [opened.run.restore_params(step, opened.abstract_params) for step in steps]
   candidates = {f'last checkpoint ({steps[-1]})': params[-1],
-                f'mean of {", ".join(map(str, steps))}': jax.tree.map(
-                    lambda *x: sum(x) / len(x), *params)}
+                f'mean of {", ".join(map(str, steps))}': runs.mean_params(params)}
   splits = args.splits.split(',')
   lines = ['| parameters | length penalty | '
            + ' | '.join(f'{s} BLEU | {s} chrF2' for s in splits) + ' |',
@@ -52,10 +45,7 @@ def main():
   results = []
   for name, p in candidates.items():
     for alpha in map(float, args.length_penalties.split(',')):
-      translator = decode.Translator(
-          s, p, tokenizer, beam_size=4, length_penalty=alpha,
-          max_length=config.decode.max_length, batch_size=64,
-          source_max_length=config.data.max_length)
+      translator = opened.translator(p, beam_size=4, length_penalty=alpha, batch_size=64)
       cells = []
       for split in splits:
         scores = decode.score(translator.translate(read(f'{data_dir}/{split}.en.gz')).texts,

@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_attn import models
+from lowrank_attn import models, tasks
 from lowrank_attn.pruning.heads import head_counts, per_type
-from lowrank_attn.train import tasks
 
 Batch = Mapping[str, np.ndarray]
 
@@ -28,7 +27,7 @@ def task_of(model: nnx.Module) -> tasks.Task:
   """The training task whose forward pass and batches fit `model`."""
   for cls, name in ((models.EncoderDecoder, 'nmt'), (models.EncoderMLM, 'mlm'),
                     (models.DecoderLM, 'lm')):
-    if isinstance(model, cls):
+    if type(model) is cls:  # pylint: disable=unidiomatic-typecheck  (subclasses are other tasks)
       return tasks.get(name)
   raise ValueError(f'model must be an EncoderDecoder, EncoderMLM or DecoderLM, got '
                    f'{type(model).__name__}.')

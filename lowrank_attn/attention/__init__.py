@@ -1,12 +1,16 @@
 """Attention kernels: pure `jnp` functions, no Flax.
 
 - `AttentionSpec`: a layer's kind and sizes, validated; parameter shapes, logical axes,
-  analytic parameter count and FLOPs.
+  analytic parameter count and FLOPs; `init_mixing`, `concatenate_mixing`: collaborative mixing.
 - `multi_head_attention(params, x, spec=...)`: the whole layer as a function of a dict of
   arrays; `init_cache` for autoregressive decoding.
 - the per-kind logits (`dot_product_logits`, `collaborative_logits`, `mix_heads`) and the shared
   core (`masked_softmax`, `dropout`, `weighted_sum`, masks) for use in other code.
 - `HardConcrete`: the head-gate distribution of Voita et al. (2019).
+
+The implementations of softmax(QK^T)V: `dispatch` (the op: checks and picks one), `blockwise`
+(O(length) memory, pure JAX), `fused` (cuDNN, splash). Conversions between kinds live above,
+in `lowrank_attn.reparam`.
 """
 
 from lowrank_attn.attention.core import (
@@ -19,7 +23,6 @@ from lowrank_attn.attention.core import (
     weighted_sum,
 )
 from lowrank_attn.attention.gates import HardConcrete
-from lowrank_attn.attention.convert import concat_to_collaborative, concatenate_mixing
 from lowrank_attn.attention.kernels import (
     AttentionOutput,
     collaborative_logits,
@@ -30,4 +33,4 @@ from lowrank_attn.attention.kernels import (
     multi_head_attention,
     project,
 )
-from lowrank_attn.attention.spec import KINDS, AttentionSpec
+from lowrank_attn.attention.spec import KINDS, AttentionSpec, concatenate_mixing, init_mixing

@@ -1,49 +1,23 @@
-"""Attention in O(length) memory: blockwise over keys with an online softmax, for every kind.
+"""Attention in O(length) memory: blockwise over keys with an online softmax, pure JAX.
 
-    heads = attend(params, spec, query, key, value, content_bias, mask=..., is_causal=...,
-                   implementation='blockwise')
+    heads = blockwise_attention(query, key, value, key_bias=..., mask=..., is_causal=...,
+                                pre_mixing=..., post_mixing=..., block_size=128)
 
-`multi_head_attention(..., implementation=...)` calls this after the projections; everything
-before (projections, decoding cache) and after (head masks, gates, output projection) is shared
-with the materialising path, so head masks and gates are unaffected.
+Queries in blocks of `block_size`, each scanning key blocks with an online softmax (Rabe &
+Staats 2021; Dao et al. 2022, flash attention); causal attention skips key blocks above the
+diagonal. A `jax.custom_vjp` saves only the output and the per-row log-sum-exp and recomputes
+each block's weights in the backward pass, so memory is O(length) forward and backward. Every
+kind reaches it through `dispatch.attend` (collaborative as shared keys plus a `key_bias`).
 
-Implementations:
-  'xla'        the materialising path of `kernels.py` (logits `[batch, heads, q, kv]` in memory).
-  'blockwise'  pure JAX, any backend: queries in blocks of `block_size`, each scanning key blocks
-               with an online softmax (Rabe & Staats 2021; Dao et al. 2022, flash attention).
-               Causal attention skips key blocks above the diagonal. A `jax.custom_vjp` saves
-               only the output and the per-row log-sum-exp and recomputes each block's weights
-               in the backward pass, so memory is O(length) forward and backward.
-  'cudnn'      GPU: `jax.nn.dot_product_attention(implementation='cudnn')`, masks as full
-               `[B, heads|1, q, kv]` biases, odd lengths padded by one (cuDNN's rules).
-  'splash'     TPU: the Pallas splash-attention kernel, per example, lengths padded to its
-               128-wide blocks; under a mesh inside a `shard_map` over the batch (XLA cannot
-               partition a Pallas kernel). It takes no boolean mask: padding and packed
-               sequences come as (query, key) `segment_ids`, its kernel's segment ids.
-  'cudnn' and 'splash' refuse, with a ValueError, the kinds and options they cannot compute
-  (see `check_implementation`). 'cudnn' has run on an H100 (`tests/gpu`, `make test-gpu`);
-  on CPU our wrapper runs with jax's XLA implementation standing in for cuDNN. 'splash' has
-  not run on a TPU: the tests run its kernel in Pallas' CPU interpreter (alone and inside
-  every model, with segment ids), and `tpu/compile.py` compiles the train steps with it for
-  TPU slices (tpu/README.md).
-
-How each kind becomes blockwise attention over `query [.., q, heads, dk]`, `key [.., kv,
-key_heads, dk]`, `value [.., kv, value_heads, dv]` (key_heads and value_heads divide heads):
-  concat, fixed_head, grouped-query: as is (key_heads = value_heads = num_kv_heads).
-  collaborative: multi-query attention in disguise (Cordonnier et al. 2020, eq. 7): head i's
-    query is the shared query scaled by its mixing vector, q * m_i, and all heads share one
-    key of width key_dim (key_heads = 1); values stay per head. The key-content bias x_k . c_i
-    is a per-(head, key) logit bias added inside each block (`key_bias`); fused kernels without
-    a bias input take it as `heads` extra key columns with one-hot query columns instead.
-  talking_heads (Shazeer et al. 2020): the pre-softmax mix is linear in one block's logits, so
-    it is applied per block. The post-softmax mix is not: out_g = sum_h P[h, g] softmax_h V_g
-    needs every head's *normalised* weights, and the online softmax only knows a row's
-    normaliser after its last key block. Accumulating sum_k exp(s_h - m_h) v_g for every pair
-    (h, g) would cost `heads` times the weighted sum; instead a first pass computes each
-    row's log-sum-exp per head, and a second pass forms normalised weights per block, mixes
-    them and accumulates the weighted sum. The backward pass needs one more pass for
-    D_h = sum_k P_h dP_h (which for plain attention is just rowsum(dO * O)). Per token pair:
-    forward 3 and backward 7 head_dim-wide products, against 2 and 5 for the other kinds.
+Talking heads (Shazeer et al. 2020): the pre-softmax mix is linear in one block's logits, so
+it is applied per block. The post-softmax mix is not: out_g = sum_h P[h, g] softmax_h V_g
+needs every head's *normalised* weights, and the online softmax only knows a row's
+normaliser after its last key block. Accumulating sum_k exp(s_h - m_h) v_g for every pair
+(h, g) would cost `heads` times the weighted sum; instead a first pass computes each row's
+log-sum-exp per head, and a second pass forms normalised weights per block, mixes them and
+accumulates the weighted sum. The backward pass needs one more pass for D_h = sum_k P_h dP_h
+(which for plain attention is just rowsum(dO * O)). Per token pair: forward 3 and backward 7
+head_dim-wide products, against 2 and 5 for the other kinds.
 
 Dropout: each block (i, j) draws its keep mask from `fold_in(rng, i * num_kv_blocks + j)`, so
 a result is reproducible for a given rng and block size (and is regenerated, not stored, in
@@ -51,251 +25,21 @@ the backward pass), but it is not the mask the materialising path draws.
 
 Masks: a boolean mask broadcastable to `[batch..., heads, q, kv]` is sliced per block (it is
 1 byte per entry where given in full; pass `is_causal=True` rather than a causal mask, which is
-then built per block from positions and lets blocks above the diagonal be skipped). Segment
-ids (query, key; 0 = padding) stand for `core.segment_mask` of them: 'splash' takes the ids,
-the others that mask. A query that sees no key outputs 0, never NaN.
+then built per block from positions and lets blocks above the diagonal be skipped). A query
+that sees no key outputs 0, never NaN.
 """
 
-import contextlib
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from lowrank_attn.attention import core
-from lowrank_attn.attention.spec import DEFAULT_BLOCK_SIZE, IMPLEMENTATIONS, AttentionSpec
+from lowrank_attn.attention.spec import DEFAULT_BLOCK_SIZE
 
 Array = jax.Array
-
-_PLATFORMS = {'cudnn': 'gpu', 'splash': 'tpu'}
-# Splash's default block sizes (`BlockSizes.get_default()`): lengths are padded to multiples
-# (on TPU its key blocks must be multiples of 128 lanes).
-_SPLASH_BLOCK = 128
-_target_platform: str | None = None
-
-
-@contextlib.contextmanager
-def target_platform(platform: str):
-  """Check 'cudnn'/'splash' against `platform` instead of `jax.default_backend()`.
-
-  For ahead-of-time compilation for a device this host does not have (a TPU topology
-  compiled on a CPU machine).
-  """
-  global _target_platform
-  previous, _target_platform = _target_platform, platform
-  try:
-    yield
-  finally:
-    _target_platform = previous
-
-
-def check_implementation(implementation: str, spec: AttentionSpec, *, block_size: int = 1,
-                         return_weights: bool = False, return_logits: bool = False,
-                         dropout: bool = False, mask: bool = False, cache: bool = False,
-                         dtype=None) -> None:
-  """ValueError naming the setting unless `implementation` can compute this call."""
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f'implementation={implementation!r} is not one of {IMPLEMENTATIONS}.')
-  if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-    raise ValueError(f'block_size={block_size!r} must be an integer >= 1.')
-  if implementation == 'xla':
-    return
-  for name, value in (('return_weights', return_weights), ('return_logits', return_logits)):
-    if value:
-      raise ValueError(f"{name}=True needs implementation='xla': implementation="
-                       f'{implementation!r} never materialises [batch, heads, q, kv].')
-  if implementation == 'blockwise':
-    return
-  platform = _target_platform or jax.default_backend()
-  if platform != _PLATFORMS[implementation]:
-    raise ValueError(
-        f'implementation={implementation!r} needs a {_PLATFORMS[implementation].upper()} '
-        f"backend, but this one is {platform!r}; implementation='blockwise' runs anywhere.")
-  unsupported = []
-  if spec.kind == 'talking_heads':
-    unsupported.append("kind='talking_heads' (mixes heads around the softmax)")
-  if dropout:
-    unsupported.append('attention dropout')
-  if cache:
-    unsupported.append('a decoding cache')
-  if implementation == 'cudnn':
-    if spec.kind == 'collaborative':
-      unsupported.append("kind='collaborative' (cuDNN needs values as wide as keys)")
-    if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-      unsupported.append(f'dtype {jnp.dtype(dtype).name} (cuDNN attention needs bfloat16 or '
-                         'float16)')
-  if implementation == 'splash' and mask:
-    unsupported.append('a boolean mask (splash takes static masks: is_causal, and segment_ids '
-                       '(query, key) for padding and packed sequences)')
-  if unsupported:
-    raise ValueError(f'implementation={implementation!r} does not support '
-                     f"{', '.join(unsupported)}; use implementation='blockwise'.")
-
-
-# --------------------------------------------------------------------------- per-kind operands
-
-
-def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Array, value: Array,
-           content_bias: Array | None, *, mask: Array | None = None, is_causal: bool = False,
-           segment_ids: tuple[Array, Array] | None = None, rng: Array | None = None,
-           dropout_rate: float = 0.0, broadcast_dropout: bool = True,
-           implementation: str = 'blockwise', block_size: int = DEFAULT_BLOCK_SIZE,
-           precision=None) -> Array:
-  """Per-head attention outputs `[batch..., q, heads, head_dim]` of `spec.kind`, without ever
-  materialising `[batch, heads, q, kv]`.
-
-  query/key/value/content_bias as `kernels.project` returns them; `rng` is None unless
-  dropout is active; params in the computation dtype. `segment_ids`: int (query `[batch...,
-  q]`, key `[batch..., kv]`) for 'splash', which takes them as its kernel's segment ids
-  (`multi_head_attention` turns them into `core.segment_mask` for the others).
-  """
-  h = spec.num_heads
-  key_bias = pre = post = None
-  if spec.kind == 'collaborative':
-    # [.., q, h, key_dim]: head i sees the shared query scaled by m_i (as `collaborative_logits`).
-    query = query[..., :, None, :] * (params['mixing'] * spec.logit_scale).astype(query.dtype)
-    key = key[..., :, None, :]  # one key shared by every head
-    if content_bias is not None:
-      key_bias = jnp.swapaxes(content_bias, -1, -2).astype(jnp.float32) * spec.logit_scale
-  else:
-    query = query * jnp.asarray(spec.logit_scale, query.dtype)
-    if spec.kind == 'talking_heads':
-      pre = params['pre_softmax_mixing'].astype(jnp.float32)
-      post = params['post_softmax_mixing'].astype(jnp.float32)
-  if implementation == 'blockwise':
-    return blockwise_attention(
-        query, key, value, key_bias=key_bias, mask=mask, is_causal=is_causal,
-        pre_mixing=pre, post_mixing=post, dropout_rng=rng, dropout_rate=dropout_rate,
-        broadcast_dropout=broadcast_dropout, block_size=block_size, precision=precision)
-  if key_bias is not None:  # as h extra key columns, one-hot on the query side
-    one_hot = jnp.broadcast_to(jnp.eye(h, dtype=query.dtype), (*query.shape[:-1], h))
-    query = jnp.concatenate([query, one_hot], axis=-1)
-    key = jnp.concatenate(
-        [key, jnp.swapaxes(key_bias, -1, -2)[..., :, None, :].astype(key.dtype)], axis=-1)
-  if implementation == 'cudnn':
-    return _cudnn_attention(query, key, value, mask, is_causal)
-  return _splash_attention(query, key, value, is_causal, h, segment_ids)
-
-
-def _cudnn_attention(query, key, value, mask, is_causal):
-  """GPU: cuDNN's fused attention over `[B, L, heads, d]`.
-
-  cuDNN takes a mask as a bias of full shape `[B, heads|1, q, kv]` (a `[.., 1, kv]` padding
-  mask is broadcast), and its backward pass needs even lengths: odd lengths are padded by one
-  position, the padded key masked out, the padded query dropped.
-  """
-  batch_shape, (q_length, heads, _) = query.shape[:-3], query.shape[-3:]
-  kv_length = key.shape[-3]
-  flat = lambda x: x.reshape(-1, *x.shape[-3:])
-  query, key, value = flat(query), flat(key), flat(value)
-  pad_q, pad_kv = q_length % 2, kv_length % 2
-  if pad_kv and mask is None:
-    mask = jnp.ones((q_length, kv_length), bool)
-  if mask is not None:  # to [B, heads|1, q, kv]
-    mask = jnp.asarray(mask, bool)
-    mask = mask.reshape((1,) * (len(batch_shape) + 3 - mask.ndim) + mask.shape)
-    mask = jnp.broadcast_to(mask, (*batch_shape, mask.shape[-3], q_length, kv_length))
-    mask = jnp.pad(mask.reshape(-1, *mask.shape[-3:]), ((0, 0), (0, 0), (0, pad_q), (0, pad_kv)))
-  along = lambda x, n: jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))
-  query, key, value = along(query, pad_q), along(key, pad_kv), along(value, pad_kv)
-  out = jax.nn.dot_product_attention(query, key, value, mask=mask, scale=1.0,
-                                     is_causal=is_causal, implementation='cudnn')
-  out = out[:, :q_length]
-  if mask is not None:  # our contract: a query that sees no key outputs 0
-    mask = mask[..., :q_length, :kv_length]
-    visible = mask & core.causal_mask(q_length, kv_length) if is_causal else mask
-    sees_any = jnp.broadcast_to(jnp.any(visible, axis=-1), (out.shape[0], heads, q_length))
-    out = out * jnp.swapaxes(sees_any, 1, 2)[..., None].astype(out.dtype)
-  return out.reshape(*batch_shape, *out.shape[1:])
-
-
-def _splash_attention(query, key, value, is_causal, heads, segment_ids=None):
-  """TPU: the Pallas splash-attention kernel, vmapped over the batch (run here only in Pallas'
-  CPU interpreter).
-
-  Lengths are padded to whole kernel blocks (`_SPLASH_BLOCK`), padded keys hidden by segment
-  id 0. Segment ids give `core.segment_mask`'s semantics: splash lets a query see the keys of
-  its own id, so queries of id <= 0 (which see no key under that mask, and in splash would see
-  padding) and queries whose segment has no (earlier, if causal) key output 0, as every
-  implementation does.
-  """
-  from jax.experimental.pallas.ops.tpu.splash_attention import (  # TPU-only dependency
-      splash_attention_kernel as splash, splash_attention_mask as splash_mask)
-  batch_shape = query.shape[:-3]
-  q_length, kv_length = query.shape[-3], key.shape[-3]
-  if key.shape[-2] != value.shape[-2]:  # collaborative: splash wants a key per value head
-    key = jnp.broadcast_to(key, (*key.shape[:-2], value.shape[-2], key.shape[-1]))
-  q_padded, kv_padded = (-(-n // _SPLASH_BLOCK) * _SPLASH_BLOCK for n in (q_length, kv_length))
-
-  def head_major(x, padded):  # [batch..., L, h, d] -> [B, h, L_padded, d]
-    x = jnp.swapaxes(x.reshape(-1, *x.shape[-3:]), 1, 2)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, padded - x.shape[2]), (0, 0)))
-
-  def flat_ids(ids, length, padded):  # [batch..., L] -> int32 [B, L_padded], padding 0
-    ids = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (*batch_shape, length))
-    return jnp.pad(ids.reshape(-1, length), ((0, 0), (0, padded - length)))
-
-  batch = math.prod(batch_shape)
-  if segment_ids is not None:
-    q_ids, kv_ids = flat_ids(segment_ids[0], q_length, q_padded), flat_ids(
-        segment_ids[1], kv_length, kv_padded)
-  elif kv_padded != kv_length:  # only to hide the padded keys
-    q_ids = jnp.ones((batch, q_padded), jnp.int32)
-    kv_ids = flat_ids(jnp.ones((kv_length,), jnp.int32), kv_length, kv_padded)
-  shape = (q_padded, kv_padded)
-  one = splash_mask.CausalMask(shape) if is_causal else splash_mask.FullMask(shape)
-  kernel = splash.make_splash_mha(splash_mask.MultiHeadMask((one,) * heads), head_shards=1,
-                                  q_seq_shards=1)
-  operands = (head_major(query, q_padded), head_major(key, kv_padded),
-              head_major(value, kv_padded))
-  if segment_ids is not None or kv_padded != kv_length:
-    operands += (splash.SegmentIds(q=q_ids, kv=kv_ids),)
-  out = _per_batch_shard(jax.vmap(kernel), batch, *operands)
-  out = jnp.swapaxes(out[:, :, :q_length], 1, 2)  # [B, q, heads, dv]
-  if segment_ids is not None:
-    sees_any = _sees_any_key(q_ids[:, :q_length], kv_ids, is_causal)
-    out = out * sees_any[:, :, None, None].astype(out.dtype)
-  return out.reshape(*batch_shape, q_length, heads, value.shape[-1])
-
-
-def _per_batch_shard(fn, batch: int, *operands):
-  """`fn(*operands)`, under a mesh in a `shard_map` over the leading (batch) axis.
-
-  XLA cannot partition a Pallas kernel itself. The batch is split over every mesh axis whose
-  size still divides it (data and fsdp in our layouts), each shard getting whole rows and all
-  heads; operands are replicated over the other axes.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return fn(*operands)
-  axes, shards = [], 1
-  for name, size in mesh.shape.items():
-    if size > 1 and batch % (shards * size) == 0:
-      axes.append(name)
-      shards *= size
-  spec = jax.sharding.PartitionSpec(tuple(axes) if axes else None)
-  return jax.shard_map(fn, in_specs=spec, out_specs=spec, check_vma=False)(*operands)
-
-
-def _sees_any_key(q_ids: Array, kv_ids: Array, is_causal: bool) -> Array:
-  """bool `[B, q]`: `core.segment_mask` (causal: and `causal_mask`) leaves query i some key.
-
-  From each segment's first key (a sort, O(L log L)), never materialising `[B, q, kv]`.
-  """
-  order = jnp.argsort(kv_ids, axis=-1, stable=True)  # within a segment, keys in position order
-  sorted_ids = jnp.take_along_axis(kv_ids, order, axis=-1)
-  first = jax.vmap(jnp.searchsorted)(sorted_ids, q_ids)
-  first = jnp.minimum(first, kv_ids.shape[-1] - 1)
-  sees = (jnp.take_along_axis(sorted_ids, first, axis=-1) == q_ids) & (q_ids > 0)
-  if is_causal:
-    sees &= jnp.take_along_axis(order, first, axis=-1) <= jnp.arange(q_ids.shape[-1])
-  return sees
-
-
-# --------------------------------------------------------------------------- blockwise attention
 
 
 def blockwise_attention(query: Array, key: Array, value: Array, *, key_bias: Array | None = None,

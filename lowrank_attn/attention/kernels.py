@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from lowrank_attn.attention import blockwise, core
+from lowrank_attn.attention import core, dispatch
 from lowrank_attn.attention.spec import AttentionSpec
 
 Array = jax.Array
@@ -249,6 +249,7 @@ def multi_head_attention(
     precision=None,
     implementation: str | None = None,
     block_size: int | None = None,
+    platform: str | None = None,
 ) -> AttentionOutput:
   """Multi-head attention of kind `spec.kind`.
 
@@ -285,14 +286,17 @@ def multi_head_attention(
     implementation: 'xla' materialises `[batch..., heads, q_length, kv_length]`; 'blockwise'
       computes the same in O(length) memory (online softmax over key blocks, recomputing
       backward; dropout masks differ); 'cudnn' (GPU) and 'splash' (TPU) call fused kernels
-      where the kind allows. See `lowrank_attn.attention.blockwise`. Default:
+      where the kind allows. See `lowrank_attn.attention.dispatch`. Default:
       `spec.implementation`, or 'xla' with a cache (a decoding step's logits are O(length),
       and the fused kernels take no cache).
     block_size: queries and keys per block of 'blockwise'; default `spec.block_size`.
+    platform: the backend 'cudnn'/'splash' are checked against; default `spec.platform`
+      (None: `jax.default_backend()`).
   """
   if implementation is None:
     implementation = 'xla' if cache is not None else spec.implementation
   block_size = spec.block_size if block_size is None else block_size
+  platform = spec.platform if platform is None else platform
   inputs_k = inputs_q if inputs_k is None else inputs_k
   inputs_v = inputs_k if inputs_v is None else inputs_v
   _check_inputs(params, spec, inputs_q, inputs_k, inputs_v, cache)
@@ -306,10 +310,10 @@ def multi_head_attention(
   if dtype is None:
     dtype = jnp.result_type(inputs_q, inputs_k, inputs_v,
                             *(v for name, v in params.items() if name != 'gate_log_alpha'))
-  blockwise.check_implementation(
+  dispatch.check_implementation(
       implementation, spec, block_size=block_size, return_weights=return_weights,
       return_logits=return_logits, dropout=not deterministic and dropout_rate > 0.0,
-      mask=mask is not None, cache=cache is not None, dtype=dtype)
+      mask=mask is not None, cache=cache is not None, dtype=dtype, platform=platform)
   # Gate parameters stay float32: they only enter through float32 sigmoids.
   params = {name: value if name == 'gate_log_alpha' else jnp.asarray(value, dtype)
             for name, value in params.items()}
@@ -339,7 +343,7 @@ def multi_head_attention(
       segment_ids = None
 
   if implementation != 'xla':  # [..., q, h, d], never materialising [..., h, q, k]
-    heads = blockwise.attend(
+    heads = dispatch.attend(
         params, spec, query, key, value, content_bias, mask=mask,
         is_causal=is_causal and cache is None, segment_ids=segment_ids,
         rng=rng if not deterministic and dropout_rate > 0.0 else None,

@@ -2,11 +2,16 @@
 
 `AttentionSpec` validates every setting once, at construction, so a bad setting fails with a
 message naming it instead of a deep XLA shape error later. Kernels and layers read it.
+`init_mixing` gives the initial collaborative mixing each `mixing_init` names.
 """
 
 import dataclasses
 import math
 from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from lowrank_attn.attention.gates import HardConcrete
 
@@ -21,14 +26,38 @@ def _require_int(name: str, value, minimum: int = 1, note: str = '') -> None:
 
 
 MIXING_INITS = ('concatenate', 'all_ones', 'random')
-# How the softmax(QK^T)V part is computed (see `lowrank_attn.attention.blockwise`).
+# How the softmax(QK^T)V part is computed (see `lowrank_attn.attention.dispatch`).
 IMPLEMENTATIONS = ('xla', 'blockwise', 'cudnn', 'splash')
+# The backends `jax.default_backend()` names, which 'cudnn' and 'splash' are checked against.
+PLATFORMS = ('cpu', 'gpu', 'tpu')
 # Queries and keys per block: 128 was the fastest forward+backward of 64/128/256/512 on 2
 # XLA:CPU cores at L = 512 and 4096 (batch 2, D = 512, 8 heads); fused GPU/TPU kernels choose
 # their own blocks.
 DEFAULT_BLOCK_SIZE = 128
 GATE_INITS = ('glorot',)  # gate_log_alpha_init: a number, or one of these
 SIZE_FIELDS = ('in_features', 'out_features', 'in_kv_features')  # set by the model, not a config
+
+
+def concatenate_mixing(num_heads: int, key_dim: int, dtype=jnp.float32) -> jax.Array:
+  """Block one-hot mixing `[num_heads, key_dim]`: head i owns its own slice of the key width.
+
+  With key_dim = num_heads * head_dim a collaborative layer then computes exactly the logits
+  of concatenated heads (Cordonnier et al. 2020, sec. 3.1). When key_dim is not a multiple
+  of num_heads the slices differ in size by at most one column.
+  """
+  owner = np.arange(key_dim) * num_heads // key_dim  # the head owning each column
+  return jnp.asarray(owner[None, :] == np.arange(num_heads)[:, None], dtype)
+
+
+def init_mixing(mixing_init: str, rng, num_heads: int, key_dim: int, dtype) -> jax.Array:
+  """The initial collaborative mixing `[num_heads, key_dim]` named by `mixing_init`."""
+  if mixing_init == 'concatenate':
+    return concatenate_mixing(num_heads, key_dim, dtype)
+  if mixing_init == 'all_ones':
+    return jnp.ones((num_heads, key_dim), dtype)
+  if mixing_init == 'random':  # N(0, 0.2^2), the scale of Cordonnier et al.'s code
+    return 0.2 * jax.random.normal(rng, (num_heads, key_dim), dtype)
+  raise ValueError(f'mixing_init={mixing_init!r} is not one of {MIXING_INITS}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +119,7 @@ class AttentionSpec:
       stronger and evaluation gates start near 0.5.
     implementation: how the attention weights and their weighted sum are computed; every
       implementation gives the same outputs and gradients (up to rounding), only time and
-      memory differ (`lowrank_attn.attention.blockwise`):
+      memory differ (`lowrank_attn.attention.dispatch`):
       'xla': materialises the logits `[batch, heads, q_length, kv_length]` (the only one that
         can return attention weights or logits).
       'blockwise': any backend, in O(length) memory: key blocks with an online softmax and a
@@ -100,6 +129,9 @@ class AttentionSpec:
         (checked when called, on the backend that runs them).
       Decoding with a cache always computes as 'xla' (a step's logits are O(length)).
     block_size: queries and keys per block of 'blockwise'.
+    platform: the backend 'cudnn' and 'splash' are checked against, one of PLATFORMS; None:
+      `jax.default_backend()` at the call. 'tpu' to compile for a TPU on a machine without
+      one (tpu/compile.py), or to run splash in Pallas' CPU interpreter (tests).
   """
 
   num_heads: int | tuple[int, ...]
@@ -123,6 +155,7 @@ class AttentionSpec:
   num_logit_heads: int | tuple[int, ...] | None = None
   implementation: str = 'xla'
   block_size: int = DEFAULT_BLOCK_SIZE
+  platform: str | None = None
 
   def __post_init__(self):
     for name in ('num_heads', 'num_logit_heads', 'gate_stretch'):  # lists from JSON: hashable
@@ -136,6 +169,8 @@ class AttentionSpec:
       raise ValueError(
           f'implementation={self.implementation!r} is not one of {IMPLEMENTATIONS}.')
     _require_int('block_size', self.block_size)
+    if self.platform not in (None, *PLATFORMS):
+      raise ValueError(f'platform={self.platform!r} is not None or one of {PLATFORMS}.')
     if not (isinstance(self.dropout_rate, (int, float)) and 0.0 <= self.dropout_rate < 1.0):
       raise ValueError(f'dropout_rate={self.dropout_rate!r} must be in [0, 1).')
     init = self.gate_log_alpha_init

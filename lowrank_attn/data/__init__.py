@@ -3,17 +3,17 @@
 The only package that imports tensorflow_datasets and grain.
 
     from lowrank_attn import data
-    pipeline = data.make_pipeline(config.data, split='train', seed=0, global_batch_size=64,
-                                  train=True, workdir=workdir)
+    pipeline = data.make_pipeline(config.data, format=task.data_format, split='train', seed=0,
+                                  global_batch_size=64, train=True, workdir=workdir)
     source = data.load_data_source('ud_english_ewt', 'validation')   # raw examples
 
 Layout: `config.py` (the `DataConfig` schema), `datasets.py` (data sets by name, local text
 files), `builders/` (our TFDS builders), `raw_files.py` (where raw files come from, their
-checksums), `tokenizers.py`, `transforms.py` (per-example steps), `pipeline.py` (`Pipeline`).
+checksums), `tokenizers.py`, `transforms.py` (per-example steps), `format.py` (`RowFormat`: the
+steps a task chooses), `pipeline.py` (`Pipeline`).
 """
 
 from lowrank_attn.data.config import (
-    TASKS,
     DataConfig,
     as_data_config,
     default_data_config,
@@ -27,7 +27,8 @@ from lowrank_attn.data.datasets import (
     load_data_source,
     load_text_files,
 )
-from lowrank_attn.data.pipeline import ArraySpec, Pipeline, load_tokenizer, make_pipeline
+from lowrank_attn.data.format import ArraySpec, RowFormat
+from lowrank_attn.data.pipeline import Pipeline, load_tokenizer, make_pipeline
 from lowrank_attn.data.raw_files import DATA_DIR_ENV, MissingSplitWarning
 from lowrank_attn.data.tokenizers import (
     CharTokenizer,
@@ -47,7 +48,7 @@ __all__ = [
     'OFFICIAL_DATASETS',
     'Pipeline',
     'SentencePieceTokenizer',
-    'TASKS',
+    'RowFormat',
     'TextFiles',
     'Tokenizer',
     'WordPieceTokenizer',

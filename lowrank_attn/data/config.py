@@ -14,9 +14,6 @@ import ml_collections
 from lowrank_attn import schema
 from lowrank_attn.data import tokenizers
 
-TASKS = ('lm', 'mlm', 'nmt')
-
-
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """What to read and how to turn it into batches (fields as in the comments).
@@ -28,7 +25,7 @@ class DataConfig:
   """
 
   name: str = 'tiny_shakespeare'  # data set (see the class docstring)
-  task: str = 'lm'  # 'lm' (next token) | 'mlm' (BERT masked LM) | 'nmt' (translation pairs)
+  task: str = 'lm'  # whose `RowFormat` makes the batches (a name in `lowrank_attn.tasks`)
   data_dir: str | None = None  # raw files like ../shared/data; None: $LOWRANK_ATTN_DATA or URLs
   tfds_data_dir: str | None = None  # prepared data; None: <workdir>/tfds, ~/tensorflow_datasets
   max_length: int = 256  # lm/mlm: tokens per row; nmt: tokens per side, EOS included
@@ -46,14 +43,13 @@ class DataConfig:
   extra_test_files: str = ''  # more test sets: 'a.en:a.de,b.en:b.de' (nmt) or 'a.txt,b.txt'
 
   def __post_init__(self):
-    _check_choice('task', self.task, TASKS)
     _check_choice('tokenizer', self.tokenizer, tokenizers.TOKENIZER_KINDS)
     _check_choice(
         'sentencepiece_model_type',
         self.sentencepiece_model_type,
         tokenizers.SENTENCEPIECE_MODEL_TYPES,
     )
-    for name in ('name', 'source_lang', 'target_lang'):
+    for name in ('name', 'task', 'source_lang', 'target_lang'):
       if not isinstance(getattr(self, name), str) or not getattr(self, name):
         raise ValueError(f'{name}={getattr(self, name)!r} must be a non-empty string.')
     for name in ('data_dir', 'tfds_data_dir', 'vocab_path', 'tokenizer_path'):
@@ -75,22 +71,20 @@ class DataConfig:
         isinstance(self.mlm_probability, (int, float)) and 0.0 < self.mlm_probability < 1.0
     ):
       raise ValueError(f'mlm_probability={self.mlm_probability!r} must be in (0, 1).')
-    if self.task == 'nmt' and self.source_lang == self.target_lang:
-      raise ValueError(
-          f'source_lang and target_lang are both {self.source_lang!r}; nmt needs two sides.'
-      )
     if self.name == 'multi30k_captions':
       raise ValueError(
           "name='multi30k_captions' is a retrieval test set (5 captions per image), not a "
           'training corpus; read it with lowrank_attn.data.load_data_source.'
       )
-    self.extra_test_splits()  # validates extra_test_files
+    self.extra_test_splits(num_files=None)  # validates extra_test_files
 
-  def extra_test_splits(self) -> dict[str, str]:
+  def extra_test_splits(self, num_files: int | None) -> dict[str, str]:
     """Name -> `make_pipeline` split of each of `extra_test_files`, in the order given.
 
     'a/test_2017.en.gz:a/test_2017.de.gz' is named 'test_2017' (the file name without '.gz'
     and the language extension) and read as split 'file:a/test_2017.en.gz:a/test_2017.de.gz'.
+    `num_files`: files per entry, one per feature the task reads (`RowFormat.file_features`:
+    2 for translation); None accepts 1 or 2.
     """
     if not isinstance(self.extra_test_files, str):
       raise ValueError(
@@ -100,9 +94,11 @@ class DataConfig:
     splits = {}
     for entry in filter(None, (e.strip() for e in self.extra_test_files.split(','))):
       paths = entry.split(':')
-      want = 2 if self.task == 'nmt' else 1
-      if len(paths) != want or not all(paths):
-        form = 'SOURCE:TARGET' if want == 2 else 'PATH (one document per line)'
+      want = (1, 2) if num_files is None else (num_files,)
+      if len(paths) not in want or not all(paths):
+        form = 'SOURCE:TARGET' if want == (2,) else 'PATH (one document per line)'
+        if num_files is None:
+          form = 'PATH or SOURCE:TARGET'
         raise ValueError(
             f'extra_test_files={self.extra_test_files!r}: entry {entry!r} must be {form} '
             f"for task={self.task!r}; entries are separated by ','."

@@ -12,7 +12,6 @@ after which `tfds_data_dir=gs://<bucket>/tfds` reads them without TensorFlow.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-import dataclasses
 import gzip
 import importlib.util
 import os
@@ -24,33 +23,10 @@ from tensorflow_datasets.core.utils import tqdm_utils
 from lowrank_attn.data import builders
 
 
-@dataclasses.dataclass(frozen=True)
-class DatasetSpec:
-  """How a named data set is built and which features hold its text.
-
-  Attributes:
-    builder_cls: our TFDS builder; None for an official TFDS dataset (looked up by name).
-    config: builder config name, if any.
-    text_feature: feature with the text of one document (lm/mlm); None for parallel corpora,
-      where `source_lang` selects the side.
-    languages: features of a parallel corpus, one per language (nmt).
-    splits: the split names it may have.
-  """
-
-  builder_cls: type | None
-  config: str | None = None
-  text_feature: str | None = None
-  languages: tuple[str, ...] = ()
-  splits: tuple[str, ...] = ('train', 'validation', 'test')
-
-
-DATASETS: dict[str, DatasetSpec] = {
-    'tiny_shakespeare': DatasetSpec(builders.Shakespeare, 'tiny', text_feature='text'),
-    'shakespeare': DatasetSpec(builders.Shakespeare, 'full_works', text_feature='text'),
-    'multi30k': DatasetSpec(builders.Multi30k, languages=('en', 'de')),
-    'multi30k_captions': DatasetSpec(builders.Multi30kCaptions, splits=('test',)),
-    'ud_english_ewt': DatasetSpec(builders.UdEnglishEwt, text_feature='text'),
-}
+DatasetSpec = builders.DatasetSpec
+# Ours, one builder module each (`builders/`): 'tiny_shakespeare', 'shakespeare', 'multi30k',
+# 'multi30k_captions', 'ud_english_ewt', 'glue/<task>', ...
+DATASETS: dict[str, DatasetSpec] = builders.DATASETS
 
 # Official TFDS datasets we have used; any other registered TFDS name works the same way.
 OFFICIAL_DATASETS: dict[str, DatasetSpec] = {

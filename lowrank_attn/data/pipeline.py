@@ -1,7 +1,7 @@
 """grain input pipelines: tokenize, shuffle, pack or pad, shard per process, batch.
 
-    pipeline = make_pipeline(config.data, split='train', seed=0, global_batch_size=64,
-                             train=True, workdir=workdir,
+    pipeline = make_pipeline(config.data, format=task.data_format, split='train', seed=0,
+                             global_batch_size=64, train=True, workdir=workdir,
                              process_index=jax.process_index(), process_count=jax.process_count())
     pipeline.element_spec                  # name -> ArraySpec(shape, dtype) of every batch
     batch = next(pipeline)                 # this process's rows, numpy, fixed shapes
@@ -12,24 +12,25 @@ The pipeline is a grain `MapDataset` (random access over the ArrayRecord split: 
 slice, per-epoch shuffle, tokenization, length filter) turned into an `IterDataset` (packing,
 padding, batching, optional worker processes). Its position is grain's iterator state plus
 the number of batches served, which also seeds masked-LM corruption. The per-example steps
-are in `transforms.py`, the fields of the data config in `config.py`.
+come from the task's `RowFormat` (`format.py`; each task module in `lowrank_attn.tasks` owns
+one) built from the steps in `transforms.py`; the fields of the data config are in `config.py`.
+`lowrank_attn.tasks.make_pipeline(config.data, ...)` picks the format by `data.task`.
 """
 
 from collections.abc import Callable, Iterator
 import math
 import os
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
 from absl import flags
 import grain
-from grain.experimental import ConcatThenSplitIterDataset, FirstFitPackIterDataset
 import numpy as np
 
 from lowrank_attn.data import datasets
 from lowrank_attn.data import tokenizers as tokenizers_lib
-from lowrank_attn.data import transforms
 from lowrank_attn.data.config import FILE_SPLIT_PREFIX, DataConfig, as_data_config
+from lowrank_attn.data.format import ArraySpec, RowFormat
 
 STATE_FORMAT = 'lowrank_attn.data.Pipeline/1'
 
@@ -38,17 +39,13 @@ STATE_FORMAT = 'lowrank_attn.data.Pipeline/1'
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=256)
 
 
-class ArraySpec(NamedTuple):
-  shape: tuple[int, ...]
-  dtype: np.dtype
-
-
 Barrier = Callable[[str], None]
 
 
 def make_pipeline(
     data_config,
     *,
+    format: RowFormat,  # pylint: disable=redefined-builtin
     split: str,
     seed: int,
     global_batch_size: int,
@@ -63,6 +60,7 @@ def make_pipeline(
   Args:
     data_config: `config.data` (a ConfigDict from `default_data_config`), a plain dict (missing
       fields take their defaults) or a `DataConfig`; fields documented in `DataConfig`.
+    format: the task's `RowFormat` (`lowrank_attn.tasks.get(name).data_format`).
     split: 'train' | 'validation' | 'test' (or a TFDS split expression like 'train[:10%]'), or
       local text files: 'file:SOURCE:TARGET' (nmt; line i of SOURCE translates to line i of
       TARGET) or 'file:PATH' (lm, mlm; one document per line), gzip allowed, read with the
@@ -87,6 +85,7 @@ def make_pipeline(
     A `Pipeline` yielding dicts of numpy arrays with `global_batch_size // process_count` rows.
   """
   config = as_data_config(data_config)
+  format.check_config(config)
   if global_batch_size <= 0 or process_count <= 0 or global_batch_size % process_count:
     raise ValueError(
         f'global_batch_size={global_batch_size} must be a positive multiple of '
@@ -97,8 +96,8 @@ def make_pipeline(
   tfds_data_dir = config.tfds_data_dir or datasets.default_tfds_data_dir(workdir)
 
   def prepare():
-    source = _load_source(config, split, tfds_data_dir)
-    fields = _text_fields(config, source)
+    source = _load_source(config, format, split, tfds_data_dir)
+    fields = _text_fields(config, format, source)
     tokenizer = _load_tokenizer(config, fields, workdir=workdir, tfds_data_dir=tfds_data_dir)
     return source, fields, tokenizer
 
@@ -112,6 +111,7 @@ def make_pipeline(
   return Pipeline(
       source=source,
       config=config,
+      format=format,
       fields=fields,
       tokenizer=tokenizer,
       split=split,
@@ -153,36 +153,31 @@ def _jax_barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def _load_source(config: DataConfig, split: str, tfds_data_dir: str):
+def _load_source(config: DataConfig, fmt: RowFormat, split: str, tfds_data_dir: str):
   if not split.startswith(FILE_SPLIT_PREFIX):
     return datasets.load_data_source(
         config.name, split, data_dir=config.data_dir, tfds_data_dir=tfds_data_dir
     )
   paths = split.removeprefix(FILE_SPLIT_PREFIX).split(':')
-  features = _file_features(config)
+  features = _file_features(config, fmt)
   if len(paths) != len(features) or not all(paths):
-    form = 'file:SOURCE:TARGET' if config.task == 'nmt' else 'file:PATH'
-    raise ValueError(f'split={split!r}: task={config.task!r} reads text files as {form!r}.')
+    form = 'file:' + ':'.join(f.upper() for f in features)
+    raise ValueError(f'split={split!r}: task={fmt.name!r} reads text files as {form!r} '
+                     f'(features {features}).')
   return datasets.load_text_files(dict(zip(features, paths)))
 
 
-def _file_features(config: DataConfig) -> tuple[str, ...]:
-  """The features local text files are read as: those `_text_fields` picks for the task."""
-  if config.task == 'nmt':
-    return (config.source_lang, config.target_lang)
-  return (datasets.dataset_spec(config.name).text_feature or config.source_lang,)
+def _file_features(config: DataConfig, fmt: RowFormat) -> tuple[str, ...]:
+  """The features local text files are read as (one file each)."""
+  return fmt.file_features(config, datasets.dataset_spec(config.name).text_feature)
 
 
-def _text_fields(config: DataConfig, source) -> tuple[str, ...]:
-  """Features holding the text: (text,) for lm/mlm, (source, target) for nmt."""
+def _text_fields(config: DataConfig, fmt: RowFormat, source) -> tuple[str, ...]:
+  """The features holding the text (the format's choice), checked against the source."""
   spec = datasets.dataset_spec(config.name)
   features = list(source[0].keys()) if len(source) else []
-  if config.task == 'nmt':
-    fields = (config.source_lang, config.target_lang)
-  elif spec.text_feature is not None and spec.text_feature in features:
-    fields = (spec.text_feature,)
-  else:
-    fields = (config.source_lang,)
+  text_feature = spec.text_feature if spec.text_feature in features else None
+  fields = fmt.text_fields(config, text_feature)
   for field in fields:
     if field not in features:
       raise ValueError(
@@ -206,14 +201,15 @@ def _tokenizer_cache_path(config: DataConfig, fields, workdir) -> str | None:
   return cache_path
 
 
-def load_tokenizer(data_config, workdir: str | os.PathLike) -> tokenizers_lib.Tokenizer:
+def load_tokenizer(data_config, workdir: str | os.PathLike, *,
+                   format: RowFormat) -> tokenizers_lib.Tokenizer:  # pylint: disable=redefined-builtin
   """The tokenizer a run in `workdir` trained (or its WordPiece vocabulary), never training one.
 
   For reading a finished run without its data (`python -m lowrank_attn.translate`).
   Raises FileNotFoundError naming the file when the run has no such tokenizer.
   """
   config = as_data_config(data_config)
-  path = _tokenizer_cache_path(config, _file_features(config), workdir)
+  path = _tokenizer_cache_path(config, _file_features(config, format), workdir)
   if path is not None and not os.path.exists(path):
     raise FileNotFoundError(f'no {config.tokenizer} tokenizer at {path} (the run trains it '
                             'before its first step; set data.tokenizer_path if it is elsewhere)')
@@ -266,12 +262,12 @@ class Pipeline:
   Attributes:
     tokenizer: the `Tokenizer` (vocab_size, pad_id == 0, bos_id, eos_id, mask_id, ...).
     config: the `DataConfig`.
-    task: 'lm' | 'mlm' | 'nmt'.
+    format: the task's `RowFormat`; `task` is its name.
     split: the split read.
     train: True for the infinite, shuffled training stream.
-    packed_pairs: nmt training batches hold several pairs per row (data.packing).
+    packed: rows hold several examples (the format's choice for data.packing and `train`).
     global_batch_size, batch_size: rows per step over all processes / on this process.
-    element_spec: name -> ArraySpec(shape, dtype) of every batch (keys in `transforms`).
+    element_spec: name -> ArraySpec(shape, dtype) of every batch (keys: the format's).
     data_source: random-access examples of the split (raw text as bytes), in file order.
 
   For evaluation (train=False) each `for` loop is one pass: once a pass has ended, `iter()`
@@ -283,6 +279,7 @@ class Pipeline:
       *,
       source,
       config: DataConfig,
+      format: RowFormat,  # pylint: disable=redefined-builtin
       fields,
       tokenizer,
       split: str,
@@ -294,7 +291,8 @@ class Pipeline:
   ):
     self.tokenizer = tokenizer
     self.config = config
-    self.task = config.task
+    self.format = format
+    self.task = format.name
     self.split = split
     self.train = train
     self.seed = seed
@@ -303,12 +301,11 @@ class Pipeline:
     self.max_length = config.max_length
     self.data_source = source
     self.process_index, self.process_count = process_index, process_count
-    # Evaluation keeps one pair per row: beam search decodes one sentence per row.
-    self.packed_pairs = config.task == 'nmt' and config.packing and train
-    self._concat_and_split = config.task != 'nmt' and config.packing
+    self.packed = format.packed(config, train=train)
     self._fields = fields
-    if train and config.task == 'nmt':
-      self._check_some_pairs_fit()
+    self._train_filter = format.train_filter(config) if train else None
+    if self._train_filter is not None:
+      self._check_some_examples_fit()
     self._dataset = self._build(source)
     self._iterator = None
     self._step = 0  # batches served in this pass (train: since the start)
@@ -318,24 +315,19 @@ class Pipeline:
   # ------------------------------------------------------------------ the grain dataset
 
   def _encoder(self, truncate: bool):
-    c = self.config
-    if c.task == 'nmt':
-      return transforms.EncodeNMT(self.tokenizer, self._fields, c.max_length, truncate=truncate)
-    truncate_to = None if c.packing else c.max_length
-    cls = transforms.EncodeLM if c.task == 'lm' else transforms.EncodeMLM
-    return cls(self.tokenizer, self._fields[0], truncate_to)
+    return self.format.encoder(self.tokenizer, self._fields, self.config, truncate=truncate)
 
-  def _check_some_pairs_fit(self, sample_size: int = 256) -> None:
-    """Training drops pairs longer than max_length; if all are, it would search forever."""
+  def _check_some_examples_fit(self, sample_size: int = 256) -> None:
+    """Training drops examples longer than max_length; if all are, it would search forever."""
     encode = self._encoder(truncate=False)
     sample = [encode(self.data_source[i]) for i in range(min(sample_size, len(self.data_source)))]
-    if sample and not any(transforms.FitsLength(self.max_length)(pair) for pair in sample):
+    if sample and not any(self._train_filter(pair) for pair in sample):
       longest = sorted(max(len(v) for v in pair.values()) for pair in sample)
       raise ValueError(
-          f'data.max_length={self.max_length}: none of the first {len(sample)} pairs of '
-          f'{self.config.name}/{self.split} fits (their longer side has a median of '
-          f'{longest[len(longest) // 2]} tokens with EOS); training drops pairs longer than '
-          'max_length, so raise it.'
+          f'data.max_length={self.max_length}: none of the first {len(sample)} examples of '
+          f'{self.config.name}/{self.split} fits (their longest sequence has a median of '
+          f'{longest[len(longest) // 2]} tokens with EOS); training drops examples longer '
+          'than max_length, so raise it.'
       )
 
   def _build(self, source) -> grain.IterDataset:
@@ -346,30 +338,10 @@ class Pipeline:
       # permutation, the same for the same seed.
       ds = ds.seed(self.seed).shuffle().repeat(None)
     ds = ds.map(self._encoder(truncate=not self.train))
-    if self.train and c.task == 'nmt':
-      ds = ds.filter(transforms.FitsLength(c.max_length))
+    if self._train_filter is not None:
+      ds = ds.filter(self._train_filter)
     it = ds.to_iter_dataset(_READ_OPTIONS)
-    if self.packed_pairs:
-      # First fit (Flax's WMT example packs pairs the same way): a pair goes into the first
-      # row where both sides fit; once one fits nowhere, the batch_size rows are emitted. An
-      # infinite stream never leaves a row empty, so every batch is one packing round.
-      it = FirstFitPackIterDataset(
-          it,
-          length_struct={'inputs': c.max_length, 'targets': c.max_length},
-          num_packing_bins=self.batch_size,
-          shuffle_bins=False,
-      )
-      it = it.map(transforms.FinishPackedPair())
-    elif self._concat_and_split:
-      key_lengths = (
-          {'inputs': c.max_length, 'targets': c.max_length}
-          if c.task == 'lm'
-          else {'tokens': c.max_length}
-      )
-      it = ConcatThenSplitIterDataset(it, length_struct=key_lengths)
-      it = it.map(transforms.FinishPackedRow(c.task))
-    else:
-      it = it.map(transforms.PadRow(c.task, c.max_length))
+    it = self.format.rows(it, c, batch_size=self.batch_size, train=self.train)
     it = it.batch(self.batch_size, drop_remainder=self.train)
     if self.train and c.num_workers > 0:
       # Evaluation stays in-process: per-worker partial last batches would break the
@@ -386,11 +358,7 @@ class Pipeline:
   def element_spec(self) -> dict[str, ArraySpec]:
     """Shape and dtype of every array of every batch: enough to compile the step before
     the first batch is read."""
-    shape = (self.batch_size, self.max_length)
-    return {
-        key: ArraySpec(shape, np.dtype(np.float32 if key == 'weights' else np.int32))
-        for key in transforms.batch_keys(self.task, self.packed_pairs)
-    }
+    return self.format.element_spec(self.config, batch_size=self.batch_size, train=self.train)
 
   def __iter__(self) -> 'Pipeline':
     if self._exhausted:
@@ -426,23 +394,18 @@ class Pipeline:
 
   def _finish_batch(self, batch) -> dict[str, np.ndarray]:
     spec = self.element_spec
-    if batch is None:  # rows of padding only; mlm rows hold `tokens` until masked below
-      keys = ('tokens', 'segment_ids', 'positions') if self.task == 'mlm' else tuple(spec)
-      batch = {k: np.zeros((0, self.max_length), spec.get(k, spec['inputs']).dtype) for k in keys}
+    if batch is None:  # rows of padding only
+      batch = {k: np.zeros((0, *v.shape), v.dtype)
+               for k, v in self.format.row_spec(self.config, train=self.train).items()}
     rows = len(next(iter(batch.values())))
     if rows < self.batch_size:  # the last evaluation batch: pad with weight-0 rows
       batch = {
           k: np.concatenate([v, np.zeros((self.batch_size - rows,) + v.shape[1:], v.dtype)])
           for k, v in batch.items()
       }
-    if self.task == 'mlm':
-      rng = np.random.default_rng([self.seed, self.process_index, self._step])
-      tokens = batch.pop('tokens')
-      batch.update(
-          transforms.mask_tokens(
-              tokens, batch['segment_ids'], self.tokenizer, self.config.mlm_probability, rng
-          )
-      )
+    # The batch's random numbers (masked-LM corruption) follow from its position: resumable.
+    rng = np.random.default_rng([self.seed, self.process_index, self._step])
+    batch = self.format.finish_batch(batch, tokenizer=self.tokenizer, config=self.config, rng=rng)
     return {k: batch[k] for k in spec}
 
   @property
@@ -458,27 +421,22 @@ class Pipeline:
 
   def _rows_of_process(self, process: int) -> int:
     shard = grain.MapDataset.source(self.data_source)[process :: self.process_count]
-    if not self._concat_and_split:
-      return len(shard)
-    # Concat-then-split fills every row but the last: rows = ceil(tokens / row length).
-    encode = self._encoder(truncate=True)
-    key = 'inputs' if self.task == 'lm' else 'tokens'
-    tokens = sum(len(encode(shard[i])[key]) for i in range(len(shard)))
-    return math.ceil(tokens / self.max_length)
+    return self.format.num_rows(shard, self._encoder(truncate=True), self.config)
 
   def padding_fraction(self, num_batches: int = 20) -> dict[str, float]:
     """Share of padding in the first `num_batches` batches (of a fresh pass), per token array.
 
-    Keys 'inputs' (and 'targets' for nmt); rows of padding that complete the last evaluation
-    batch count as padding. Reads a new iterator: the pipeline's own position is unchanged.
+    Keys: the format's `token_keys` ('inputs', and 'targets' for nmt); rows of padding that
+    complete the last evaluation batch count as padding. Reads a new iterator: the pipeline's
+    own position is unchanged.
     """
-    token_keys = {'nmt': ('inputs', 'targets'), 'lm': ('inputs',), 'mlm': ('tokens',)}[self.task]
-    real = dict.fromkeys(token_keys, 0)
+    token_keys = self.format.token_keys
+    real = dict.fromkeys(token_keys.values(), 0)
     batches = 0
     iterator = iter(self._dataset)
     try:
       for batch in iterator:
-        for key in token_keys:
+        for key in real:
           real[key] += int(np.count_nonzero(batch[key]))
         batches += 1
         if batches == num_batches:
@@ -489,7 +447,7 @@ class Pipeline:
     if not batches:
       raise ValueError(f'{self.config.name}/{self.split} yields no batches.')
     size = batches * self.batch_size * self.max_length
-    return {'inputs' if key == 'tokens' else key: 1.0 - n / size for key, n in real.items()}
+    return {name: 1.0 - real[key] / size for name, key in token_keys.items()}
 
   def close(self) -> None:
     """Stops grain worker processes, if any (also done on garbage collection)."""

@@ -1,79 +1,12 @@
-"""Per-example and per-batch steps of the pipelines: encode, filter, pad, finish packed rows, mask.
+"""Reusable per-example and per-batch steps that task formats (`RowFormat`) are built from.
 
-Callable classes rather than closures: grain worker processes pickle them. Each returns
-numpy arrays; the pad id is 0 for every tokenizer.
-
-Batch keys (all `[batch, max_length]`; weights float32, the rest int32):
-  lm         inputs, targets, weights, segment_ids, positions
-  mlm        inputs, targets, weights (1 on the tokens to predict), segment_ids, positions
-  nmt        inputs, targets, weights (1 on real target tokens)
-  nmt packed the nmt keys and inputs_segment_ids, inputs_positions, targets_segment_ids,
-             targets_positions (segment ids 1, 2, ... per row, 0 = padding; positions restart
-             at 0 in every segment)
+Callable classes rather than closures: grain worker processes pickle them. Each returns numpy
+arrays; the pad id is 0 for every tokenizer. Segment ids number the examples of a row 1, 2, ...
+(0 = padding); positions restart at 0 in every segment.
 """
 
+from grain.experimental import ConcatThenSplitIterDataset, FirstFitPackIterDataset
 import numpy as np
-
-LM_KEYS = ('inputs', 'targets', 'weights', 'segment_ids', 'positions')
-NMT_KEYS = ('inputs', 'targets', 'weights')
-PACKED_NMT_KEYS = NMT_KEYS + (
-    'inputs_segment_ids',
-    'inputs_positions',
-    'targets_segment_ids',
-    'targets_positions',
-)
-
-
-def batch_keys(task: str, packed_pairs: bool) -> tuple[str, ...]:
-  """The keys of a batch of `task` (`packed_pairs`: nmt training with packing)."""
-  if task == 'nmt':
-    return PACKED_NMT_KEYS if packed_pairs else NMT_KEYS
-  return LM_KEYS
-
-
-class EncodeLM:
-  """Document -> {'inputs': [bos, t1..tn], 'targets': [t1..tn, eos]}, truncated if unpacked."""
-
-  def __init__(self, tokenizer, field: str, truncate_to: int | None):
-    self.tokenizer, self.field, self.truncate_to = tokenizer, field, truncate_to
-
-  def __call__(self, example):
-    ids = self.tokenizer.encode(example[self.field].decode('utf-8'))
-    tokens = np.asarray([self.tokenizer.bos_id, *ids, self.tokenizer.eos_id], np.int32)
-    inputs, targets = tokens[:-1], tokens[1:]
-    if self.truncate_to is not None:
-      inputs, targets = inputs[: self.truncate_to], targets[: self.truncate_to]
-    return {'inputs': inputs, 'targets': targets}
-
-
-class EncodeMLM:
-  """Document -> {'tokens': [bos, t1..tn, eos]} (BERT's [CLS] ... [SEP]), truncated if unpacked."""
-
-  def __init__(self, tokenizer, field: str, truncate_to: int | None):
-    self.tokenizer, self.field, self.truncate_to = tokenizer, field, truncate_to
-
-  def __call__(self, example):
-    ids = self.tokenizer.encode(example[self.field].decode('utf-8'))
-    if self.truncate_to is not None:
-      ids = ids[: self.truncate_to - 2]
-    return {'tokens': np.asarray([self.tokenizer.bos_id, *ids, self.tokenizer.eos_id], np.int32)}
-
-
-class EncodeNMT:
-  """Pair -> {'inputs': source + [eos], 'targets': target + [eos]}; truncated when evaluating."""
-
-  def __init__(self, tokenizer, fields: tuple[str, str], max_length: int, truncate: bool):
-    self.tokenizer, self.fields = tokenizer, fields
-    self.max_length, self.truncate = max_length, truncate
-
-  def __call__(self, example):
-    out = {}
-    for key, field in zip(('inputs', 'targets'), self.fields):
-      ids = self.tokenizer.encode(example[field].decode('utf-8'))
-      if self.truncate:
-        ids = ids[: self.max_length - 1]
-      out[key] = np.asarray([*ids, self.tokenizer.eos_id], np.int32)
-    return out
 
 
 class FitsLength:
@@ -86,75 +19,58 @@ class FitsLength:
     return all(len(v) <= self.max_length for v in element.values())
 
 
-def _pad(x, max_length: int) -> np.ndarray:
-  out = np.zeros(max_length, np.int32)
+def pad(x, max_length: int, dtype=np.int32) -> np.ndarray:
+  """`x` followed by zeros up to `max_length`."""
+  out = np.zeros(max_length, dtype)
   out[: len(x)] = x
   return out
 
 
-class PadRow:
-  """Variable-length sequences -> fixed-length rows with the batch keys of the task."""
+class PadDocument:
+  """One document per row: every sequence padded to `max_length`, plus `segment_ids` (1 on
+  the document) and `positions`, both measured on `length_key`."""
 
-  def __init__(self, task: str, max_length: int):
-    self.task, self.max_length = task, max_length
+  def __init__(self, max_length: int, length_key: str):
+    self.max_length, self.length_key = max_length, length_key
 
   def __call__(self, element):
-    if self.task == 'nmt':
-      targets = _pad(element['targets'], self.max_length)
-      return {
-          'inputs': _pad(element['inputs'], self.max_length),
-          'targets': targets,
-          'weights': (targets != 0).astype(np.float32),
-      }
-    key = 'inputs' if self.task == 'lm' else 'tokens'
-    n = len(element[key])
+    n = len(element[self.length_key])
     segment_ids = np.zeros(self.max_length, np.int32)
     segment_ids[:n] = 1
     positions = np.zeros(self.max_length, np.int32)
     positions[:n] = np.arange(n)
-    row = {k: _pad(v, self.max_length) for k, v in element.items()}
-    return _finish_row(self.task, row, segment_ids, positions)
+    row = {k: pad(v, self.max_length) for k, v in element.items()}
+    return {**row, 'segment_ids': segment_ids, 'positions': positions}
 
 
-class FinishPackedRow:
-  """Renames the outputs of grain's concat-then-split packing (lm, mlm) to the batch keys."""
+class RenamePacked:
+  """grain's concat-then-split output -> `segment_ids`/`positions` of `length_key`."""
 
-  def __init__(self, task: str):
-    self.task = task
-
-  def __call__(self, packed):
-    key = 'inputs' if self.task == 'lm' else 'tokens'
-    row = {k: packed[k] for k in (('inputs', 'targets') if self.task == 'lm' else ('tokens',))}
-    return _finish_row(self.task, row, packed[f'{key}_segment_ids'], packed[f'{key}_positions'])
-
-
-class FinishPackedPair:
-  """A row of grain's first-fit packing of nmt pairs -> the packed nmt batch keys.
-
-  grain puts a pair in the first row where both its sides fit and gives both sides the same
-  segment id, so segment k of `inputs` translates to segment k of `targets`.
-  """
+  def __init__(self, keys: tuple[str, ...], length_key: str):
+    self.keys, self.length_key = keys, length_key
 
   def __call__(self, packed):
-    return {
-        'inputs': packed['inputs'],
-        'targets': packed['targets'],
-        'weights': (packed['targets_segment_ids'] > 0).astype(np.float32),
-        **{k: packed[k].astype(np.int32) for k in PACKED_NMT_KEYS[3:]},
-    }
+    return {**{k: packed[k] for k in self.keys},
+            'segment_ids': packed[f'{self.length_key}_segment_ids'],
+            'positions': packed[f'{self.length_key}_positions']}
 
 
-def _finish_row(task, row, segment_ids, positions):
-  if task == 'lm':
-    return {
-        'inputs': row['inputs'],
-        'targets': row['targets'],
-        'weights': (segment_ids > 0).astype(np.float32),
-        'segment_ids': segment_ids,
-        'positions': positions,
-    }
-  # mlm: inputs/targets/weights are filled in by the masking step after batching.
-  return {'tokens': row['tokens'], 'segment_ids': segment_ids, 'positions': positions}
+def concat_then_split(it, lengths: dict[str, int], length_key: str):
+  """Documents concatenated and cut into full rows (the last one padded): no padding inside a
+  stream, documents may straddle rows. Rows carry the keys of `lengths`, segment_ids and
+  positions (of `length_key`)."""
+  it = ConcatThenSplitIterDataset(it, length_struct=lengths)
+  return it.map(RenamePacked(tuple(lengths), length_key))
+
+
+def first_fit_pack(it, lengths: dict[str, int], num_rows: int):
+  """First fit (Flax's WMT example packs pairs the same way): an example goes into the first of
+  `num_rows` rows where all its sequences fit; once one fits nowhere, the rows are emitted. An
+  infinite stream never leaves a row empty, so every batch of `num_rows` is one packing round.
+  Every sequence of an example gets the same segment id: segment k of one key belongs to
+  segment k of the others. Adds `<key>_segment_ids` and `<key>_positions` per key."""
+  return FirstFitPackIterDataset(it, length_struct=lengths, num_packing_bins=num_rows,
+                                 shuffle_bins=False)
 
 
 def mask_tokens(

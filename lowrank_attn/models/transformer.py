@@ -22,7 +22,8 @@ reach the attention layers as (query, key) segment ids, not as masks: the mask
 the ids themselves.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 from flax import nnx
 import jax
@@ -31,10 +32,19 @@ import jax.numpy as jnp
 from lowrank_attn.models.config import TransformerConfig
 from lowrank_attn.models.layers import (
     ACTIVATIONS, InputEmbedding, LayerNorm, TokenEmbedding, TransformerLayer, dense_2d)
+from lowrank_attn.nn import MultiHeadAttention
 from lowrank_attn.sharding import constrain, logical_metadata as logical
 
 Array = jax.Array
 HeadMasks = Mapping[str, Array | Sequence[Array | None]] | None
+
+
+class AttentionSite(NamedTuple):
+  """One attention layer of a model, and where it sits."""
+  attention_type: str  # 'encoder' | 'decoder' (that stack's self-attention) | 'cross'
+  index: int  # of its layer in the stack
+  path: tuple[str | int, ...]  # in the parameter tree: ('decoder', 'layers', 1, 'cross_attention')
+  layer: MultiHeadAttention
 
 
 def _layer_mask(head_masks: HeadMasks, attention_type: str, index: int):
@@ -96,12 +106,24 @@ class Stack(nnx.Module):
     return x, {what: {k: tuple(v) for k, v in per_type.items()}
                for what, per_type in collected.items() if per_type}
 
-  def attention_layers(self):
-    """Every attention layer of the stack, self-attention and (if any) cross-attention."""
-    for layer in self.layers:
-      yield layer.self_attention
+  def attention_sites(self) -> Iterator[AttentionSite]:
+    """Every attention layer of the stack, layer by layer, self- before cross-attention.
+
+    The one walk over attention layers: everything else that visits them (the L0 penalty,
+    pruning, re-parametrization) goes through it, so they agree on order and paths.
+    """
+    # A model holds its stacks as attributes named after their attention type.
+    for i, layer in enumerate(self.layers):
+      yield AttentionSite(self.attention_type, i,
+                          (self.attention_type, 'layers', i, 'self_attention'),
+                          layer.self_attention)
       if layer.cross_attention is not None:
-        yield layer.cross_attention
+        yield AttentionSite('cross', i, (self.attention_type, 'layers', i, 'cross_attention'),
+                            layer.cross_attention)
+
+  def attention_layers(self) -> Iterator[MultiHeadAttention]:
+    """Every attention layer of the stack, self-attention and (if any) cross-attention."""
+    return (site.layer for site in self.attention_sites())
 
   def init_cache(self, batch_size: int, max_length: int, dtype) -> None:
     for layer in self.layers:
@@ -141,6 +163,17 @@ class _Model(nnx.Module):
 
   def stacks(self) -> tuple[Stack, ...]:
     return tuple(getattr(self, name) for name in ('encoder', 'decoder') if hasattr(self, name))
+
+  def attention_sites(self) -> list[AttentionSite]:
+    """Every attention layer: the encoder's, then the decoder's (self before cross)."""
+    return [site for stack in self.stacks() for site in stack.attention_sites()]
+
+  def attention_layers(self) -> dict[str, list[MultiHeadAttention]]:
+    """`{attention type: [layer 0's attention, layer 1's, ...]}`, types in model order."""
+    layers = {}
+    for site in self.attention_sites():
+      layers.setdefault(site.attention_type, []).append(site.layer)
+    return layers
 
   def l0_penalties(self) -> list[Array]:
     """Expected number of open gates of every gated attention layer (sum over its heads)."""

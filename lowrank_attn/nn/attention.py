@@ -19,8 +19,7 @@ from flax.nnx.nn.linear import default_kernel_init
 from lowrank_attn import attention
 from lowrank_attn import sharding
 from lowrank_attn.attention import AttentionSpec
-from lowrank_attn.attention.convert import CP_OPTIONS, concat_to_collaborative, concatenate_mixing
-from lowrank_attn.attention.spec import MIXING_INITS
+from lowrank_attn.attention.spec import MIXING_INITS, init_mixing
 
 Array = jax.Array
 _EMPTY = MappingProxyType({})
@@ -38,15 +37,6 @@ def _gate_init(log_alpha_init: float | str, num_heads: int):
   return initializers.constant(log_alpha_init)
 
 
-def _init_mixing(kind: str, rng, num_heads: int, key_dim: int, dtype) -> Array:
-  if kind == 'concatenate':
-    return concatenate_mixing(num_heads, key_dim, dtype)
-  if kind == 'all_ones':
-    return jnp.ones((num_heads, key_dim), dtype)
-  # 'random': N(0, 0.2^2), the scale of Cordonnier et al.'s code.
-  return 0.2 * jax.random.normal(rng, (num_heads, key_dim), dtype)
-
-
 class MultiHeadAttention(nnx.Module):
   """Multi-head attention: concat, fixed-head-size, collaborative or talking heads, optionally gated.
 
@@ -56,8 +46,8 @@ class MultiHeadAttention(nnx.Module):
   documented there once: `kind`, `head_dim` (fixed_head, Bhojanapalli et al. 2020), `key_dim`
   and `mixing_init` (collaborative, Cordonnier et al. 2020), `logit_scale`, `gated` and the
   `gate_*` settings (Voita et al. 2019; `l0_penalty()` is the expected number of open gates),
-  `implementation` and `block_size` ('blockwise': O(length) memory; attention weights and
-  logits then cannot be returned, and decoding with a cache computes as 'xla').
+  `implementation`, `block_size` and `platform` ('blockwise': O(length) memory; attention
+  weights and logits then cannot be returned, and decoding with a cache computes as 'xla').
   Talking-heads mixing starts at the identity, where the layer equals concat.
   `MultiHeadAttention.from_spec(spec, rngs=...)` builds the layer a spec describes.
   """
@@ -172,7 +162,7 @@ class MultiHeadAttention(nnx.Module):
     else:
       param('query_kernel', kernel_init, kernel_metadata, (D, spec.key_dim))
       param('key_kernel', kernel_init, kernel_metadata, (Dkv, spec.key_dim))
-      param('mixing', lambda rng, shape, dtype: _init_mixing(
+      param('mixing', lambda rng, shape, dtype: init_mixing(
           spec.mixing_init, rng, num_heads, spec.key_dim, dtype))
       if use_bias:  # zero content bias: what a layer with zero query bias has
         param('content_bias', bias_init, bias_metadata)
@@ -361,7 +351,7 @@ class MultiHeadAttention(nnx.Module):
 
     kind='concat', 'fixed_head' and 'talking_heads' (identity mixing) copy the weights.
     kind='collaborative' re-parametrizes the query/key projections by
-    `lowrank_attn.attention.concat_to_collaborative`: exactly at full key width (key_dim None
+    `lowrank_attn.reparam.concat_to_collaborative`: exactly at full key width (key_dim None
     or num_heads * head_dim: stacked per-head projections, block one-hot mixing), by the CP
     decomposition of the per-head W_Q^(i) W_K^(i)T below it (Cordonnier et al. 2020). At
     any width the query bias becomes the exact key-content bias c_i = W_K^(i) b_Q^(i) and the
@@ -372,43 +362,9 @@ class MultiHeadAttention(nnx.Module):
     of `lowrank_attn.reparam.collaborative_factors`) go to the decomposition; the others (e.g.
     gated=True) to the constructor.
     """
-    if not isinstance(module, nnx.MultiHeadAttention):
-      raise ValueError(f'module must be a flax.nnx.MultiHeadAttention, got {type(module)}.')
-    cp_options = {name: options.pop(name) for name in CP_OPTIONS if name in options}
-    if kind != 'collaborative' and (key_dim is not None or rescale_logits or cp_options):
-      raise ValueError(f'key_dim, rescale_logits and the CP options {CP_OPTIONS} are only used '
-                       f"by kind='collaborative' (got kind={kind!r}).")
-    h, d = module.num_heads, module.head_dim
-    settings = dict(
-        num_heads=h, in_features=module.in_features, qkv_features=module.qkv_features,
-        out_features=module.out_features, num_kv_heads=module.num_kv_heads,
-        in_kv_features=module.in_kv_features, kind=kind,
-        head_dim=d if kind == 'fixed_head' else None, dtype=module.dtype,
-        param_dtype=module.param_dtype, broadcast_dropout=module.broadcast_dropout,
-        dropout_rate=module.dropout_rate, deterministic=module.deterministic,
-        precision=module.precision, use_bias=module.use_bias, decode=module.decode,
-        normalize_qk=module.normalize_qk)
-
-    # Flax's parameters under our names, then (collaborative) re-parametrized.
-    weights = {}
-    for name in ('query', 'key', 'value', 'out'):
-      weights[f'{name}_kernel'] = getattr(module, name).kernel[...]
-      if module.use_bias:
-        weights[f'{name}_bias'] = getattr(module, name).bias[...]
-    if module.normalize_qk:
-      weights['query_ln_scale'] = module.query_ln.scale[...]
-      weights['key_ln_scale'] = module.key_ln.scale[...]
-    if kind == 'collaborative':
-      concat_spec = AttentionSpec(**{k: v for k, v in settings.items() if k in _SPEC_SIZES},
-                                  use_bias=module.use_bias, normalize_qk=module.normalize_qk)
-      weights, spec = concat_to_collaborative(weights, concat_spec, key_dim,
-                                              rescale_logits=rescale_logits, **cp_options)
-      settings.update(key_dim=spec.key_dim, logit_scale=spec.logit_scale)
-    layer = cls(**{**settings, **options}, rngs=nnx.Rngs(0))  # parameters overwritten below
-    if module.rngs is not None and layer.rngs is not None:
-      layer.rngs = nnx.clone(module.rngs)  # same dropout stream as the original
-    layer._set_params(weights)
-    return layer
+    return _reparam_convert().from_flax(module, kind=kind, key_dim=key_dim,
+                                        rescale_logits=rescale_logits, layer_class=cls,
+                                        **options)
 
   def to_collaborative(self, key_dim: int | None = None, *, rescale_logits: bool = False,
                        return_error: bool = False, **cp_options):
@@ -420,19 +376,10 @@ class MultiHeadAttention(nnx.Module):
     settings (dtype, dropout, ...) are kept. With `return_error=True` returns
     `(layer, relative_error)`, the error |T - T^|_F / |T|_F of the per-head bilinear forms.
     """
-    params, spec, error = concat_to_collaborative(
-        self.kernel_params(), self.spec, key_dim, rescale_logits=rescale_logits,
-        return_error=True, **cp_options)
-    layer = type(self).from_spec(
-        spec, rngs=nnx.Rngs(0), dtype=self.dtype, param_dtype=self.param_dtype,
-        broadcast_dropout=self.broadcast_dropout, deterministic=self.deterministic,
-        precision=self.precision, decode=self.decode, keep_rngs=self.rngs is not None)
-    if self.rngs is not None:
-      layer.rngs = nnx.clone(self.rngs)
-    layer._set_params(params)
-    return (layer, error) if return_error else layer
+    return _reparam_convert().layer_to_collaborative(
+        self, key_dim, rescale_logits=rescale_logits, return_error=return_error, **cp_options)
 
-  def _set_params(self, params: Mapping[str, Array]) -> None:
+  def set_params(self, params: Mapping[str, Array]) -> None:
     """Overwrites parameters by name; a name the layer lacks or a wrong shape is a ValueError."""
     shapes = self.spec.param_shapes()
     for name, value in params.items():
@@ -440,6 +387,14 @@ class MultiHeadAttention(nnx.Module):
         raise ValueError(f'parameter {name} {tuple(value.shape)} does not fit this layer '
                          f'({self.spec.kind}): its parameters are {shapes}.')
       getattr(self, name)[...] = jnp.asarray(value, self.param_dtype)
+
+
+def _reparam_convert():
+  """`lowrank_attn.reparam.convert`, imported at the call: re-parametrization sits above the
+  layers (it imports them, and its package the training stack), so the layers never import it
+  at module level (tests/test_layering.py)."""
+  from lowrank_attn.reparam import convert  # pylint: disable=g-import-not-at-top
+  return convert
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,

@@ -15,7 +15,7 @@ What a head is, per kind (the heads that `head_masks` and gates address):
 A layer may keep no head: it then has only its output bias, which is what its attention adds.
 """
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 import dataclasses
 from typing import Any
 
@@ -24,36 +24,20 @@ import jax
 import numpy as np
 
 from lowrank_attn import models
-from lowrank_attn.nn import MultiHeadAttention
 
 # {attention type: bool [layers, heads]}, or per layer a bool [heads] where counts differ.
 Keep = Mapping[str, Any]
 
 
-def attention_sites(model: nnx.Module) -> Iterator[tuple[str, int, tuple, MultiHeadAttention]]:
-  """(attention type, layer index, parameter path, layer) of every attention layer."""
-  for stack_name in ('encoder', 'decoder'):
-    stack = getattr(model, stack_name, None)
-    if stack is None:
-      continue
-    for i, layer in enumerate(stack.layers):
-      yield (stack.attention_type, i, (stack_name, 'layers', i, 'self_attention'),
-             layer.self_attention)
-      if layer.cross_attention is not None:
-        yield 'cross', i, (stack_name, 'layers', i, 'cross_attention'), layer.cross_attention
-
-
-def attention_layers(model: nnx.Module) -> dict[str, list[MultiHeadAttention]]:
-  """{attention type: [layer 0's attention, layer 1's, ...]} of a model."""
-  layers = {}
-  for attention_type, _, _, layer in attention_sites(model):
-    layers.setdefault(attention_type, []).append(layer)
-  return layers
+def attention_layers(model: nnx.Module) -> dict[str, list[nnx.Module]]:
+  """Deprecated: `model.attention_layers()`."""
+  return model.attention_layers()
 
 
 def head_counts(model: nnx.Module) -> dict[str, tuple[int, ...]]:
   """{attention type: heads of each layer}."""
-  return {t: tuple(a.num_heads for a in layers) for t, layers in attention_layers(model).items()}
+  return {t: tuple(a.num_heads for a in layers)
+          for t, layers in model.attention_layers().items()}
 
 
 def per_type(masks: Mapping[str, Sequence[np.ndarray]]) -> dict[str, Any]:
@@ -102,7 +86,7 @@ def keep_from_gates(model: nnx.Module) -> dict[str, Any]:
   keeps the gates of kept heads, so the pruned model computes what the gated one does.
   """
   masks = {}
-  for attention_type, layers in attention_layers(model).items():
+  for attention_type, layers in model.attention_layers().items():
     masks[attention_type] = [np.asarray(a.pruning_mask()) for a in layers]
   return per_type(masks)
 
@@ -155,7 +139,7 @@ def _pruned_template(template, attention_type: str, layers, kept: list[np.ndarra
 def pruned_config(model: nnx.Module, keep: Keep) -> models.TransformerConfig:
   """The `TransformerConfig` of `prune_heads(model, keep)`."""
   keep = check_keep(model, keep)
-  layers = attention_layers(model)
+  layers = model.attention_layers()
   changes = {}
   for attention_type, kept in keep.items():
     if all(k.all() for k in kept):
@@ -189,7 +173,7 @@ def prune_heads(model: nnx.Module, keep: Keep) -> nnx.Module:
   cfg = pruned_config(model, keep)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   params = _numpy_tree(params)
-  for attention_type, index, path, layer in attention_sites(model):
+  for attention_type, index, path, layer in model.attention_sites():
     parent, name = _get(params, path[:-1]), path[-1]
     parent[name] = _prune_layer_params(parent[name], layer.spec, keep[attention_type][index],
                                        cfg.attention(attention_type, index))

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_attn.attention.convert import concatenate_mixing
+from lowrank_attn.attention import concatenate_mixing
 
 Array = jax.Array
 

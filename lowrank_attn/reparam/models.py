@@ -23,7 +23,7 @@ import numpy as np
 
 from lowrank_attn import models
 from lowrank_attn.attention import AttentionSpec
-from lowrank_attn.attention.convert import concat_to_collaborative, per_head_svd
+from lowrank_attn.reparam.convert import concat_to_collaborative, per_head_svd
 
 CONVERTIBLE_KINDS = ('concat', 'fixed_head')
 
@@ -77,20 +77,15 @@ def to_low_rank_concat(model: nnx.Module, key_dim: int,
 
 def model_attention_types(model: nnx.Module) -> tuple[str, ...]:
   """The attention types a model has, in `models.ATTENTION_TYPES` order."""
-  stacks = model.stacks()
-  present = {stack.attention_type for stack in stacks}
-  if any(layer.cross_attention is not None for stack in stacks for layer in stack.layers):
-    present.add('cross')
+  present = model.attention_layers()
   return tuple(t for t in models.ATTENTION_TYPES if t in present)
 
 
-def attention_layers(model: nnx.Module, attention_type: str):
-  """`(path, layer)` of every attention layer of a type; path as in the parameter tree."""
-  stack_name = 'encoder' if attention_type == 'encoder' else 'decoder'
-  attribute = 'cross_attention' if attention_type == 'cross' else 'self_attention'
-  stack = getattr(model, stack_name)
-  for i, layer in enumerate(stack.layers):
-    yield f'{stack_name}/layers/{i}/{attribute}', getattr(layer, attribute)
+def attention_layers(model: nnx.Module, attention_type: str) -> list[tuple[str, nnx.Module]]:
+  """Deprecated: `model.attention_layers()[attention_type]`; with paths,
+  `model.attention_sites()`. `(path, layer)` of every attention layer of a type."""
+  return [(_path(site), site.layer) for site in model.attention_sites()
+          if site.attention_type == attention_type]
 
 
 # ------------------------------------------------------------------------------ internals
@@ -117,7 +112,10 @@ def _convert(model: nnx.Module, attention_types, convert_layer: LayerConversion)
   templates, specs, errors = {}, {}, {}
   for attention_type in attention_types:
     layer_specs = []
-    for path, layer in attention_layers(model, attention_type):
+    for site in model.attention_sites():
+      if site.attention_type != attention_type:
+        continue
+      path, layer = _path(site), site.layer
       try:
         new_params, spec, errors[path] = convert_layer(layer.kernel_params(), layer.spec)
       except ValueError as e:
@@ -134,6 +132,11 @@ def _convert(model: nnx.Module, attention_types, convert_layer: LayerConversion)
         raise ValueError(f'{path}: the converted layer {spec} differs from what the converted '
                          f'config builds, {cfg.attention(attention_type, i)}.')
   return Converted(_build(model, cfg, params), cfg, errors)
+
+
+def _path(site: models.transformer.AttentionSite) -> str:
+  """'encoder/layers/0/self_attention': a site's parameter path, as errors name layers."""
+  return '/'.join(map(str, site.path))
 
 
 def _template(template: AttentionSpec, layer_specs) -> AttentionSpec:

@@ -4,9 +4,10 @@
     from configs import lm                    # or load any config file
     train_and_evaluate(lm.get_config('tiny'), '/tmp/lm_tiny')
 
-Modules: `config` (the schema of a run), `tasks` (what a task is), `state` (config -> mesh,
+Modules: `config` (the schema of a run), `state` (config -> mesh,
 sharded state, compiled steps), `steps` (the pure train/eval steps), `train` (the loop),
-`checkpoints` (Orbax), `decode` (beam search, BLEU), `metrics`, `optim`.
+`checkpoints` (Orbax), `decode` (beam search, BLEU), `metrics`, `optim`. What a task is
+(data format, model, loss, evaluators) lives in `lowrank_attn.tasks`.
 """
 
 from lowrank_attn.train.config import base_config, model_config, shrink, validate

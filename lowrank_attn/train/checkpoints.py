@@ -25,8 +25,8 @@ from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
-CHECKPOINT_DIR = 'checkpoints'
-CONFIG_FILE = 'config.json'
+# The run directory's layout and file writer are `lowrank_attn.runs`' (stdlib only there).
+from lowrank_attn.runs import CHECKPOINT_DIR, CONFIG_FILE, write_atomic
 
 
 def _gather_data_states(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -141,10 +141,7 @@ def save_config(workdir: str, config_dict: Mapping[str, Any]) -> str:
   """Writes the run's config as JSON next to the checkpoints (primary process only)."""
   path = os.path.join(workdir, CONFIG_FILE)
   if jax.process_index() == 0:
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-      json.dump(config_dict, f, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(config_dict, indent=2, sort_keys=True, default=str))
   return path
 
 

@@ -5,7 +5,8 @@ Task configs (`configs/lm.py`, `configs/mlm.py`, `configs/nmt.py`) start from
 typo such as `--config.modle.emb_dim=8` fails at once). `validate(config)` checks values and
 raises a `ValueError` naming the field before any data is read or any device is touched.
 
-The training fields are documented below. The `model` fields are derived from the dataclasses
+The training fields are those of `TrainConfig` below (`MeshConfig` for `config.mesh`) and
+are documented there. The `model` fields are derived from the dataclasses
 that define them and are documented there, once: `lowrank_attn.models.TransformerConfig`
 (sizes, norms, dropout, ...) and `lowrank_attn.attention.AttentionSpec` (attention options);
 `config.data` from `lowrank_attn.data.DataConfig`. Attention options are given once in
@@ -18,19 +19,20 @@ set. So
 """
 
 from collections.abc import Mapping
+import dataclasses
 import importlib.util
 import os
 import re
 from typing import Any
 
 import ml_collections
-from ml_collections import config_dict
 
 from lowrank_attn import data as data_lib
+from lowrank_attn import tasks
 from lowrank_attn import models, schema, sharding
 from lowrank_attn.attention import AttentionSpec
 from lowrank_attn.attention.spec import SIZE_FIELDS
-from lowrank_attn.train import optim, tasks
+from lowrank_attn.train import optim
 
 # Maxtext-style rules: logical axis -> mesh axes. 'batch' takes data and fsdp (FSDP splits the
 # batch like data parallelism); parameters' 'embed' dimension is sharded by fsdp; heads, MLP
@@ -47,6 +49,153 @@ DEFAULT_RULES = (
     ('key', None),
     ('layers', None),
 )
+
+
+# ---------------------------------------------------------------------------- training fields
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """`config.mesh`: the ways of each mesh axis (`lowrank_attn.sharding.MESH_AXES`)."""
+
+  data: int = -1  # data-parallel ways; -1: the devices the other axes leave
+  fsdp: int = 1  # parameter/optimizer-state sharding ways (splits the batch too)
+  tensor: int = 1  # tensor-parallel ways (heads, MLP width, vocabulary)
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      _require_int(f'mesh.{field.name}', getattr(self, field.name), 1, allow=(-1,))
+    if dataclasses.astuple(self).count(-1) > 1:
+      _fail('mesh', dataclasses.asdict(self), 'at most one axis may be -1 ("the rest")')
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The top-level training fields of the config: warm start, run length and cadence,
+  optimisation, devices.
+
+  Declared once, here: `base_config` derives the config's entries (these defaults) and
+  `validate` builds one (`train_config`). A bad value is a ValueError naming the config field
+  and its value: 'config.num_train_steps=0 is invalid: expected an integer >= 1.'
+  """
+
+  # Warm start: 'DIR' or 'DIR:STEP', another run whose parameters initialise this one (matched
+  # by parameter path; not its optimizer state or step). New parameters keep their init.
+  init_from: str | None = None
+  # Regular expression over parameter paths ('encoder/layers/0/self_attention/query_kernel'):
+  # only matching parameters train, the others stay bitwise unchanged. None: all train.
+  trainable: str | None = None
+
+  # ---- Run length, batches, cadence. Steps count optimizer updates.
+  seed: int = 0  # parameters from key(seed); dropout key of step s: fold_in(key(seed + 1), s)
+  num_train_steps: int = 100_000
+  per_device_batch_size: int = 32  # global batch = this x number of devices (x grad_accum_steps)
+  grad_accum_steps: int = 1  # micro-batches averaged per update (same result, less memory)
+  log_every_steps: int = 50  # train metrics to TensorBoard / metrics.jsonl; NaN check
+  progress_every_secs: float = 5.0  # the console progress line
+  eval_every_steps: int = 2_000  # evaluation (the task's evaluators); 0: only at the end
+  num_eval_steps: int = -1  # eval batches per evaluation; -1: the whole eval split
+  eval_split: str = 'validation'  # the data split evaluated during training
+  checkpoint_every_steps: int = 2_000  # also saved at the end and on SIGTERM
+  keep_checkpoints: int = 3  # the last K checkpoints are kept
+  async_checkpointing: bool = True  # write checkpoints in the background
+
+  # ---- Optimisation: AdamW, warmup then decay (lowrank_attn/train/optim.py).
+  learning_rate: float = 1e-3  # peak learning rate, reached after warmup
+  lr_schedule: str = 'inverse_sqrt'  # after warmup: 'inverse_sqrt'|'cosine'|'linear'|'constant'
+  warmup_steps: int = 4_000  # linear warmup from 0
+  end_learning_rate_factor: float = 0.0  # cosine/linear end at learning_rate x this
+  # AdamW decoupled decay of kernels and embeddings; never of biases, norms, gates or head
+  # mixing (`optim.PARAMETER_ROLES`).
+  weight_decay: float = 0.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.98
+  adam_eps: float = 1e-9
+  grad_clip_norm: float = 1.0  # global-norm clipping; 0: off
+  label_smoothing: float = 0.0  # e.g. 0.1 for translation (Vaswani et al.)
+  # lambda of Voita et al. (2019): loss += lambda x (expected open gates summed over heads,
+  # averaged over gated attention layers), as in their code; see models' aux['l0_penalty'].
+  l0_penalty_weight: float = 0.0
+
+  # ---- Devices and parallelism (lowrank_attn/sharding.py).
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)  # also a mapping of axes
+  logical_axis_rules: sharding.Rules = DEFAULT_RULES  # logical axis -> mesh axes (None: replicated)
+  jax_distributed: bool = False  # call jax.distributed.initialize() (multi-host TPU / GPU)
+  # Explicit cluster for jax.distributed.initialize(); None: auto-detected (TPU, SLURM, ...).
+  coordinator_address: str | None = None  # 'host:port' of process 0
+  num_processes: int | None = None
+  process_id: int | None = None
+  # Steps dispatched ahead of the host: bounds how long a SIGTERM waits for the save.
+  max_steps_in_flight: int = 2
+  peak_flops_per_device: float | None = None  # for MFU; None: measure matmuls
+
+  def __post_init__(self):
+    if self.init_from is not None and (not isinstance(self.init_from, str) or
+                                       not self.init_from):
+      _fail('init_from', self.init_from, "expected 'DIR' or 'DIR:STEP'")
+    if self.trainable is not None:
+      try:
+        re.compile(self.trainable)
+      except (re.error, TypeError) as e:
+        _fail('trainable', self.trainable, f'not a regular expression ({e})')
+    for name in ('num_train_steps', 'per_device_batch_size', 'grad_accum_steps',
+                 'log_every_steps', 'checkpoint_every_steps', 'keep_checkpoints',
+                 'max_steps_in_flight'):
+      _require_int(name, getattr(self, name), 1)
+    _require_int('seed', self.seed, 0)
+    _require_int('eval_every_steps', self.eval_every_steps, 0)
+    _require_int('num_eval_steps', self.num_eval_steps, 1, allow=(-1,))
+    _require_number('progress_every_secs', self.progress_every_secs, 0.0)
+    if not isinstance(self.eval_split, str) or not self.eval_split:
+      _fail('eval_split', self.eval_split, "expected a split name such as 'validation'")
+    for name in ('async_checkpointing', 'jax_distributed'):
+      if not isinstance(getattr(self, name), bool):
+        _fail(name, getattr(self, name), 'expected True or False')
+
+    _require_number('learning_rate', self.learning_rate, 0.0)
+    if self.lr_schedule not in optim.SCHEDULES:
+      _fail('lr_schedule', self.lr_schedule, f'expected one of {optim.SCHEDULES}')
+    _require_int('warmup_steps', self.warmup_steps, 0)
+    _require_number('end_learning_rate_factor', self.end_learning_rate_factor, 0.0, 1.0,
+                    high_inclusive=True)
+    _require_number('weight_decay', self.weight_decay, 0.0)
+    _require_number('adam_b1', self.adam_b1, 0.0, 1.0)
+    _require_number('adam_b2', self.adam_b2, 0.0, 1.0)
+    _require_number('adam_eps', self.adam_eps, 0.0)
+    _require_number('grad_clip_norm', self.grad_clip_norm, 0.0)
+    _require_number('label_smoothing', self.label_smoothing, 0.0, 1.0)
+    _require_number('l0_penalty_weight', self.l0_penalty_weight, 0.0)
+
+    if isinstance(self.mesh, Mapping):
+      unknown = sorted(set(self.mesh) - {f.name for f in dataclasses.fields(MeshConfig)})
+      if unknown:
+        _fail('mesh', dict(self.mesh), f'unknown axes {unknown}; valid: {sharding.MESH_AXES}')
+      object.__setattr__(self, 'mesh', MeshConfig(**self.mesh))
+    if not isinstance(self.mesh, MeshConfig):
+      _fail('mesh', self.mesh, 'expected a MeshConfig or a mapping of mesh axes to ways')
+    rules = sharding.validate_rules(self.logical_axis_rules)
+    missing = [name for name in models.LOGICAL_AXES if name not in dict(rules)]
+    if missing:
+      _fail('logical_axis_rules', self.logical_axis_rules,
+            f'no rule for logical axes {missing} (add e.g. ({missing[0]!r}, None))')
+    if self.coordinator_address is not None and (not isinstance(self.coordinator_address, str)
+                                                 or not self.coordinator_address):
+      _fail('coordinator_address', self.coordinator_address, "expected 'host:port' or None")
+    if self.num_processes is not None:
+      _require_int('num_processes', self.num_processes, 1)
+    if self.process_id is not None:
+      _require_int('process_id', self.process_id, 0)
+      if self.num_processes is not None and self.process_id >= self.num_processes:
+        _fail('process_id', self.process_id,
+              f'expected < config.num_processes={self.num_processes}')
+    if self.peak_flops_per_device is not None:
+      _require_number('peak_flops_per_device', self.peak_flops_per_device, 1.0)
+
+
+def train_config(config: ml_collections.ConfigDict) -> TrainConfig:
+  """The `TrainConfig` of a config's top-level fields; a ValueError names the first bad one."""
+  values = {field.name: config[field.name] for field in dataclasses.fields(TrainConfig)}
+  return TrainConfig(**{**values, 'mesh': schema.values_of(config.mesh)})
 
 
 def _model_exclude(task: tasks.Task) -> tuple[str, ...]:
@@ -70,58 +219,10 @@ def _model_config_dict(task: tasks.Task) -> ml_collections.ConfigDict:
 def base_config(task: str) -> ml_collections.ConfigDict:
   """All fields with their defaults (Transformer-base sizes); locked against new keys."""
   task_record = tasks.get(task)
-  c = ml_collections.ConfigDict()
-  c.task = task  # 'lm' (decoder-only), 'mlm' (BERT-style encoder), 'nmt' (encoder-decoder)
-  # Warm start: 'DIR' or 'DIR:STEP', another run whose parameters initialise this one (matched
-  # by parameter path; not its optimizer state or step). New parameters keep their init.
-  c.init_from = config_dict.placeholder(str)
-  # Regular expression over parameter paths ('encoder/layers/0/self_attention/query_kernel'):
-  # only matching parameters train, the others stay bitwise unchanged. None: all train.
-  c.trainable = config_dict.placeholder(str)
-
-  # ---- Run length, batches, cadence. Steps count optimizer updates.
-  c.seed = 0  # parameters from key(seed); dropout key of step s: fold_in(key(seed + 1), s)
-  c.num_train_steps = 100_000
-  c.per_device_batch_size = 32  # global batch = this x number of devices (x grad_accum_steps)
-  c.grad_accum_steps = 1  # micro-batches averaged per update (same result, less memory)
-  c.log_every_steps = 50  # train metrics to TensorBoard / metrics.jsonl; NaN check
-  c.progress_every_secs = 5.0  # the console progress line
-  c.eval_every_steps = 2_000  # evaluation (and BLEU for nmt); 0: only at the end
-  c.num_eval_steps = -1  # eval batches per evaluation; -1: the whole eval split
-  c.eval_split = 'validation'  # the data split evaluated during training
-  c.checkpoint_every_steps = 2_000  # also saved at the end and on SIGTERM
-  c.keep_checkpoints = 3  # the last K checkpoints are kept
-  c.async_checkpointing = True  # write checkpoints in the background
-
-  # ---- Optimisation: AdamW, warmup then decay (lowrank_attn/train/optim.py).
-  c.learning_rate = 1e-3  # peak learning rate, reached after warmup
-  c.lr_schedule = 'inverse_sqrt'  # after warmup: 'inverse_sqrt'|'cosine'|'linear'|'constant'
-  c.warmup_steps = 4_000  # linear warmup from 0
-  c.end_learning_rate_factor = 0.0  # cosine/linear end at learning_rate x this
-  c.weight_decay = 0.0  # AdamW decoupled decay of matrices (never of vectors)
-  c.adam_b1 = 0.9
-  c.adam_b2 = 0.98
-  c.adam_eps = 1e-9
-  c.grad_clip_norm = 1.0  # global-norm clipping; 0: off
-  c.label_smoothing = 0.0  # e.g. 0.1 for translation (Vaswani et al.)
-  # lambda of Voita et al. (2019): loss += lambda x (expected open gates summed over heads,
-  # averaged over gated attention layers), as in their code; see models' aux['l0_penalty'].
-  c.l0_penalty_weight = 0.0
-
-  # ---- Devices and parallelism (lowrank_attn/train/sharding.py).
-  c.mesh = ml_collections.ConfigDict()
-  c.mesh.data = -1  # data-parallel ways; -1: the devices the other axes leave
-  c.mesh.fsdp = 1  # parameter/optimizer-state sharding ways (splits the batch too)
-  c.mesh.tensor = 1  # tensor-parallel ways (heads, MLP width, vocabulary)
-  c.logical_axis_rules = DEFAULT_RULES  # logical axis -> mesh axes (None: replicated)
-  c.jax_distributed = False  # call jax.distributed.initialize() (multi-host TPU / GPU)
-  # Explicit cluster for jax.distributed.initialize(); None: auto-detected (TPU, SLURM, ...).
-  c.coordinator_address = config_dict.placeholder(str)  # 'host:port' of process 0
-  c.num_processes = config_dict.placeholder(int)
-  c.process_id = config_dict.placeholder(int)
-  # Steps dispatched ahead of the host: bounds how long a SIGTERM waits for the save.
-  c.max_steps_in_flight = 2
-  c.peak_flops_per_device = config_dict.placeholder(float)  # for MFU; None: measure matmuls
+  c = schema.config_dict(TrainConfig)  # the training fields (documented in TrainConfig)
+  # A module of lowrank_attn/tasks/: 'lm' (decoder-only), 'mlm' (BERT-style encoder), 'nmt'
+  # (encoder-decoder), 'glue' (encoder + classifier).
+  c.task = task
 
   # ---- Data: the fields of `lowrank_attn.data.DataConfig` (documented there).
   c.data = data_lib.default_data_config(task=task)
@@ -130,12 +231,10 @@ def base_config(task: str) -> ml_collections.ConfigDict:
   # of `lowrank_attn.attention.AttentionSpec` (documented there; see the module docstring).
   c.model = _model_config_dict(task_record)
 
-  # ---- Decoding and BLEU during evaluation (nmt).
-  c.decode = ml_collections.ConfigDict()
-  c.decode.beam_size = 4  # 1: greedy
-  c.decode.length_penalty = 0.6  # alpha of Wu et al. (2016): score / ((5 + len) / 6)^alpha
-  c.decode.max_length = 128  # longest translation, in tokens (<= model.max_length)
-  c.decode.num_examples = 256  # eval sentences translated for BLEU; -1: all, 0: none
+  # ---- The task's own groups (`Task.settings`, documented in its module): `decode` for
+  # nmt (beam search and BLEU), `glue` for glue (the classifier).
+  for name, settings in task_record.settings.items():
+    c[name] = schema.config_dict(settings)
 
   c.lock()
   return c
@@ -160,8 +259,7 @@ def _fail(field: str, value, expected: str):
   raise ValueError(f'config.{field}={value!r} is invalid: {expected}.')
 
 
-def _check_int(c, field: str, minimum: int, allow: tuple = ()):
-  value = _get(c, field)
+def _require_int(field: str, value, minimum: int, allow: tuple = ()):
   if value in allow and not isinstance(value, bool):
     return
   if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -169,9 +267,8 @@ def _check_int(c, field: str, minimum: int, allow: tuple = ()):
           (f' or one of {allow}' if allow else ''))
 
 
-def _check_float(c, field: str, low: float, high: float | None = None, *,
-                 high_inclusive: bool = False):
-  value = _get(c, field)
+def _require_number(field: str, value, low: float, high: float | None = None, *,
+                    high_inclusive: bool = False):
   ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low
   if ok and high is not None:
     ok = value <= high if high_inclusive else value < high
@@ -220,60 +317,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the first invalid field; returns None if all are valid."""
   c = config
   _check_choice(c, 'task', tuple(tasks.TASKS))
+  task = tasks.get(c.task)
   if c.data.task != c.task:
     _fail('data.task', c.data.task, f'must equal config.task={c.task!r}')
-  for field in ('num_train_steps', 'per_device_batch_size', 'grad_accum_steps',
-                'log_every_steps', 'checkpoint_every_steps', 'keep_checkpoints',
-                'max_steps_in_flight'):
-    _check_int(c, field, 1)
-  _check_int(c, 'seed', 0)
-  _check_int(c, 'eval_every_steps', 0)
-  _check_int(c, 'num_eval_steps', 1, allow=(-1,))
-  _check_float(c, 'progress_every_secs', 0.0)
-  _check_float(c, 'learning_rate', 0.0)
-  _check_choice(c, 'lr_schedule', optim.SCHEDULES)
-  _check_int(c, 'warmup_steps', 0)
-  _check_float(c, 'end_learning_rate_factor', 0.0, 1.0, high_inclusive=True)
-  _check_float(c, 'weight_decay', 0.0)
-  _check_float(c, 'adam_b1', 0.0, 1.0)
-  _check_float(c, 'adam_b2', 0.0, 1.0)
-  _check_float(c, 'adam_eps', 0.0)
-  _check_float(c, 'grad_clip_norm', 0.0)
-  _check_float(c, 'label_smoothing', 0.0, 1.0)
-  _check_float(c, 'l0_penalty_weight', 0.0)
-  if c.peak_flops_per_device is not None:
-    _check_float(c, 'peak_flops_per_device', 1.0)
-  if c.trainable is not None:
-    try:
-      re.compile(c.trainable)
-    except re.error as e:
-      _fail('trainable', c.trainable, f'not a regular expression ({e})')
-  if c.init_from is not None and not c.init_from:
-    _fail('init_from', c.init_from, "expected 'DIR' or 'DIR:STEP'")
+  train_config(c)  # the training fields: 'config.num_train_steps=0 is invalid: ...'
 
-  for axis in sharding.MESH_AXES:
-    _check_int(c, f'mesh.{axis}', 1, allow=(-1,))
-  if [c.mesh[a] for a in sharding.MESH_AXES].count(-1) > 1:
-    _fail('mesh', c.mesh.to_dict(), 'at most one axis may be -1 ("the rest")')
-  rules = sharding.validate_rules(c.logical_axis_rules)
-  missing = [name for name in models.LOGICAL_AXES if name not in dict(rules)]
-  if missing:
-    _fail('logical_axis_rules', c.logical_axis_rules,
-          f'no rule for logical axes {missing} (add e.g. ({missing[0]!r}, None))')
-
-  data_lib.as_data_config(c.data)  # every data field: 'config.data: max_length=1 must be ...'
+  data_config = data_lib.as_data_config(c.data)  # 'config.data: max_length=1 must be ...'
+  try:
+    task.data_format.check_config(data_config)
+    data_config.extra_test_splits(len(task.data_format.file_features(data_config, None)))
+  except ValueError as e:
+    raise ValueError(f'config.data: {e}') from None
+  for name, settings in task.settings.items():
+    schema.build(settings, schema.values_of(c[name]), name)
   model = model_config(c, vocab_size=1)  # every field and every layer's attention
   if model.positions == 'learned' and c.data.max_length > model.max_length:
     _fail('model.max_length', model.max_length,
           f'learned positions need >= data.max_length={c.data.max_length}')
-  if c.task == 'nmt':
-    _check_int(c, 'decode.beam_size', 1)
-    _check_float(c, 'decode.length_penalty', 0.0)
-    _check_int(c, 'decode.max_length', 1)
-    _check_int(c, 'decode.num_examples', 0, allow=(-1,))
-    if model.positions == 'learned' and c.decode.max_length > model.max_length:
-      _fail('decode.max_length', c.decode.max_length,
-            f'must be <= model.max_length={model.max_length} with learned positions')
+  task.check_config(c)
 
 
 def shrink(config: ml_collections.ConfigDict, *, emb_dim: int = 128, num_layers: int = 2,
@@ -313,11 +374,15 @@ def from_dict(values: Mapping[str, Any]) -> ml_collections.ConfigDict:
   """The config a run recorded (`to_dict`, its `config.json`), on this schema.
 
   Fields the run did not record (added to the schema since) keep their defaults; a field the
-  schema does not have is a ValueError naming it. JSON lists come back as tuples.
+  schema does not have is a ValueError naming it. JSON lists come back as tuples. Runs written
+  before the task refactor recorded a `decode` group for every task; where the task has none,
+  it is dropped.
   """
   if values.get('task') not in tasks.TASKS:
     raise ValueError(f"config task={values.get('task')!r} is not one of {tuple(tasks.TASKS)}.")
   config = base_config(values['task'])
+  if 'decode' in values and 'decode' not in config:
+    values = {k: v for k, v in values.items() if k != 'decode'}
 
   def update(node, given, path):
     for name, value in given.items():

@@ -1,7 +1,7 @@
 """Metrics out of a run: TensorBoard events, a JSON-lines file, a progress line, MFU.
 
 MFU divides achieved matmul FLOP/s by a peak that says where it came from
-(`peak_flops_per_device`): on TPU the chip's published bf16 peak (tpu/chips.py); elsewhere
+(`peak_flops_per_device`): on TPU the chip's published bf16 peak (lowrank_attn.chips); elsewhere
 the best of several large matmuls, with their spread. Every MFU is printed beside the
 achieved GFLOP/s it came from, so a reader can redo the division with another peak.
 
@@ -12,8 +12,6 @@ last line per (split, step).
 """
 
 from collections.abc import Mapping
-import functools
-import importlib.util
 import json
 import math
 import os
@@ -28,6 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+from lowrank_attn import chips
 
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
@@ -133,22 +133,6 @@ def measure_peak_flops_per_device(dtype=jnp.float32, size: int = 2048,
   return PeakFlops(best, source, (low, best))
 
 
-@functools.cache
-def _tpu_chips():
-  """tpu/chips.py of this checkout (the table of published TPU peaks), or None.
-
-  Loaded by path: tpu/ holds launch scripts, not a package, and is present in the editable
-  installs (`pip install -e`) that `make venv` and tpu/launch.py make.
-  """
-  path = os.path.join(os.path.dirname(__file__), '..', '..', 'tpu', 'chips.py')
-  if not os.path.exists(path):
-    return None
-  spec = importlib.util.spec_from_file_location('lowrank_attn_tpu_chips', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def peak_flops_per_device(dtype=jnp.float32, device=None) -> PeakFlops:
   """The peak MFU divides by, with its source.
 
@@ -160,8 +144,7 @@ def peak_flops_per_device(dtype=jnp.float32, device=None) -> PeakFlops:
   """
   device = device or jax.local_devices()[0]
   if device.platform == 'tpu':
-    chips = _tpu_chips()
-    chip = chips and chips.chip_of(device.device_kind)
+    chip = chips.chip_of(device.device_kind)
     if chip is not None:
       return PeakFlops(chip.peak_bf16_flops,
                        f'published bf16 peak of {chip.name} ({chip.source})')

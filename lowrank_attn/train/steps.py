@@ -1,4 +1,4 @@
-"""The pure training and evaluation steps, and the loss they share.
+"""The pure training and evaluation steps; the loss is the task's (`Task.loss`).
 
 `train_step(state, batch, dropout_key)` is one optimizer update of the train state
 `{'step', 'params', 'opt_state'}` (parameters as a nested dict of arrays); the model's structure
@@ -15,30 +15,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowrank_attn.train import tasks
+from lowrank_attn import tasks
+from lowrank_attn.tasks.base import cross_entropy  # pylint: disable=unused-import  (re-export)
 
 PyTree = Any
-
-
-# ------------------------------------------------------------------------------- losses
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
-                  label_smoothing: float = 0.0) -> dict[str, jax.Array]:
-  """Weighted sums over tokens: negative log-likelihood, smoothed objective, correct, weight.
-
-  `nll` is the plain cross entropy (perplexity = exp(nll / weight)); `objective` mixes in
-  label smoothing (Szegedy et al. 2016): (1 - e) nll + e mean_v(-log p_v).
-  """
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-  objective = nll
-  if label_smoothing > 0:
-    objective = (1 - label_smoothing) * nll - label_smoothing * jnp.mean(log_probs, axis=-1)
-  weights = weights.astype(jnp.float32)
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-  return {'nll': jnp.sum(nll * weights), 'objective': jnp.sum(objective * weights),
-          'correct': jnp.sum(correct * weights), 'weight': jnp.sum(weights)}
 
 
 # ------------------------------------------------------------------------------- steps
@@ -48,7 +28,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
 class StepOptions:
   """Static settings of the step functions (hashable: part of the jit cache key)."""
 
-  task: str  # a name in `lowrank_attn.train.tasks.TASKS`
+  task: str  # a name in `lowrank_attn.tasks.TASKS`
   graphdef: Any
   grad_accum_steps: int = 1
   label_smoothing: float = 0.0
@@ -78,10 +58,9 @@ def train_step(state: PyTree, batch: Mapping[str, jax.Array], dropout_key: jax.A
 
   def objective(params, micro_batch, micro_key):
     model = nnx.merge(options.graphdef, params)
-    logits, aux = task.forward(model, micro_batch, deterministic=False,
-                               rngs=nnx.Rngs(dropout=micro_key))
-    sums = cross_entropy(logits, micro_batch['targets'], micro_batch['weights'],
-                         options.label_smoothing)
+    outputs, aux = task.forward(model, micro_batch, deterministic=False,
+                                rngs=nnx.Rngs(dropout=micro_key))
+    sums = task.loss(outputs, micro_batch, options.label_smoothing)
     # Normalised by the whole batch's weight, so micro-batch gradients simply add up.
     value = sums['objective'] / total_weight + options.l0_penalty_weight * aux['l0_penalty'] / k
     return value, {**sums, 'l0_penalty': aux['l0_penalty']}
@@ -95,8 +74,9 @@ def train_step(state: PyTree, batch: Mapping[str, jax.Array], dropout_key: jax.A
       grads, sums = grad_fn(state['params'], micro_batch, jax.random.fold_in(key, i))
       return jax.tree.map(jnp.add, carry, (grads, sums)), None
     zeros = jax.tree.map(jnp.zeros_like, state['params'])
-    zero_sums = {name: jnp.zeros((), jnp.float32)
-                 for name in ('nll', 'objective', 'correct', 'weight', 'l0_penalty')}
+    _, sum_shapes = jax.eval_shape(grad_fn, state['params'], jax.tree.map(lambda x: x[0], (
+        _micro_batches(batch, k))), key)
+    zero_sums = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sum_shapes)
     (grads, sums), _ = jax.lax.scan(
         accumulate, (zeros, zero_sums), (jnp.arange(k), _micro_batches(batch, k)))
     sums['l0_penalty'] = sums['l0_penalty'] / k
@@ -107,7 +87,7 @@ def train_step(state: PyTree, batch: Mapping[str, jax.Array], dropout_key: jax.A
   metrics = {
       'loss': sums['nll'] / weight,
       'objective': sums['objective'] / weight + options.l0_penalty_weight * sums['l0_penalty'],
-      'accuracy': sums['correct'] / weight,
+      **({'accuracy': sums['correct'] / weight} if 'correct' in sums else {}),
       'l0_penalty': sums['l0_penalty'],
       'grad_norm': optax.tree.norm(grads),
       'learning_rate': schedule(step),
@@ -118,9 +98,11 @@ def train_step(state: PyTree, batch: Mapping[str, jax.Array], dropout_key: jax.A
 
 def eval_step(params: PyTree, batch: Mapping[str, jax.Array], *,
               options: StepOptions) -> dict[str, jax.Array]:
-  """Sums of nll / correct / weight over a batch (rows with weight 0 count for nothing)."""
+  """The task's loss sums over a batch (rows with weight 0 count for nothing), no smoothing;
+  `objective` is left out (without smoothing it is `nll`)."""
+  task = tasks.get(options.task)
   model = nnx.merge(options.graphdef, params)
-  logits, aux = tasks.get(options.task).forward(model, batch, deterministic=True)
-  sums = cross_entropy(logits, batch['targets'], batch['weights'])
-  return {'nll': sums['nll'], 'correct': sums['correct'], 'weight': sums['weight'],
+  outputs, aux = task.forward(model, batch, deterministic=True)
+  sums = task.loss(outputs, batch, 0.0)
+  return {**{k: v for k, v in sums.items() if k != 'objective'},
           'l0_penalty': aux['l0_penalty']}

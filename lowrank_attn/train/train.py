@@ -22,10 +22,9 @@ import ml_collections
 import numpy as np
 
 from lowrank_attn import data as data_lib
-from lowrank_attn import sharding
+from lowrank_attn import sharding, tasks as tasks_lib
 from lowrank_attn.train import checkpoints, config as config_lib, metrics as metrics_lib
 from lowrank_attn.train import state as state_lib
-from lowrank_attn.train import tasks as tasks_lib
 
 PyTree = Any
 
@@ -121,34 +120,14 @@ def _summarise(host: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
   return summary
 
 
-def evaluate(s: state_lib.Setup, params: PyTree, eval_step_fn, pipeline,
-             num_steps: int) -> dict[str, float]:
-  """Token-level loss, perplexity and accuracy over (up to num_steps batches of) a split."""
-  totals = None
-  pipeline.reset()
-  for i, batch in enumerate(pipeline):
-    if num_steps > 0 and i >= num_steps:
-      break
-    with s.activate():
-      sums = eval_step_fn(params, s.global_batch(batch))
-    totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-  if totals is None:
-    return {}
-  totals = jax.device_get(totals)
-  weight = max(float(totals['weight']), 1.0)
-  loss = float(totals['nll']) / weight
-  return {'loss': loss, 'perplexity': math.exp(min(loss, 50.0)),
-          'accuracy': float(totals['correct']) / weight, 'tokens': float(totals['weight'])}
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains (resuming from `<workdir>/checkpoints` if present) and evaluates.
 
   Returns `{'step', 'train': last train metrics, 'eval': last eval metrics, 'throughput':
   steps/s, tokens/s and MFU of the timed steps, 'vocab_size', 'final': {split name: metrics}}`.
-  'final' is the evaluation at num_train_steps (`_evaluate_final`): for translation, the
-  validation and test splits and every `data.extra_test_files` entry (each under its name,
-  also in metrics.jsonl as that split); for lm/mlm, the extra test files only.
+  'final' is the evaluation at num_train_steps (`_evaluate_final`): the task's final splits
+  (`Task.final_splits`: validation and test for translation, validation for GLUE) and every
+  `data.extra_test_files` entry (each under its name, also in metrics.jsonl as that split).
   Raises `NonFiniteError` on a NaN/inf loss or gradient norm, `Preempted` after SIGTERM.
   """
   config_lib.validate(config)
@@ -158,7 +137,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   # A micro-batch is per_device_batch_size rows per device; a step takes grad_accum_steps.
   batch_size = config.per_device_batch_size * jax.device_count()
-  pipeline = lambda split, train, rows: data_lib.make_pipeline(
+  pipeline = lambda split, train, rows: tasks_lib.make_pipeline(
       config.data, split=split, seed=config.seed, global_batch_size=rows, train=train,
       workdir=workdir, process_index=jax.process_index(), process_count=jax.process_count())
   train_data = pipeline('train', True, batch_size * config.grad_accum_steps)
@@ -180,17 +159,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   checkpoints.save_config(workdir, config_lib.to_dict(config))
   writer = metrics_lib.MetricWriter(workdir)
   preemption = checkpoints.PreemptionWatcher()
+  evaluators = s.task.make_evaluators(tasks_lib.EvalContext(s, eval_step, tokenizer))
   try:
     state, start_step = _start(s, checkpointer, train_data, writer)
-    evaluate_all = lambda params: _evaluate_all(s, params, eval_step, eval_data, tokenizer)
+    evaluate_all = lambda params: _evaluate_all(evaluators, params, eval_data,
+                                                config.num_eval_steps)
     result, state = _train_loop(s, state, start_step, train_step, evaluate_all, train_data,
                                 checkpointer, writer, preemption)
     result['final'] = {}
     if result['step'] == config.num_train_steps and final_data:
       recorded = _recorded_final(workdir, result['step'], list(final_data))
       if recorded is None:  # not yet (also: a run killed during its final evaluation)
-        recorded = _evaluate_final(s, state['params'], eval_step, final_data, tokenizer,
-                                   workdir, result['step'], writer)
+        recorded = _evaluate_final(evaluators, state['params'], final_data, workdir,
+                                   result['step'], writer)
       result['final'] = recorded
     return result
   finally:
@@ -286,14 +267,11 @@ def _train_loop(s, state, start_step, train_step, evaluate_all, train_data, chec
           'throughput': total, 'vocab_size': s.model_cfg.vocab_size}, state
 
 
-def _evaluate_all(s, params, eval_step, pipeline, tokenizer) -> dict[str, float]:
-  """Eval metrics (and BLEU when the task translates) on config.eval_split."""
-  config = s.config
-  results = evaluate(s, params, eval_step, pipeline, config.num_eval_steps)
-  if s.task.translates and config.decode.num_examples != 0:
-    from lowrank_attn.train import decode  # only translation needs it
-    pipeline.reset()
-    results.update(decode.bleu(s, params, pipeline, tokenizer, config.decode))
+def _evaluate_all(evaluators, params, pipeline, num_batches: int) -> dict[str, float]:
+  """Every evaluator of the task on config.eval_split (up to num_eval_steps batches)."""
+  results = {}
+  for evaluator in evaluators:
+    results.update(evaluator.evaluate(params, pipeline, num_batches))
   return results
 
 
@@ -303,11 +281,13 @@ FINAL_EVAL_DIR = 'final_eval'  # <workdir>/final_eval/<step>/{metrics.json, <nam
 
 
 def _final_splits(config) -> dict[str, str]:
-  """Name -> split evaluated at num_train_steps: validation and test for translation, and
-  every extra_test_files entry (`DataConfig.extra_test_splits`)."""
-  translates = tasks_lib.get(config.task).translates
-  splits = {'validation': 'validation', 'test': 'test'} if translates else {}
-  extra = data_lib.as_data_config(config.data).extra_test_splits()
+  """Name -> split evaluated at num_train_steps: the task's (`Task.final_splits`) and every
+  extra_test_files entry (`DataConfig.extra_test_splits`)."""
+  task = tasks_lib.get(config.task)
+  splits = task.final_splits(config)
+  data_config = data_lib.as_data_config(config.data)
+  num_files = len(task.data_format.file_features(data_config, None))
+  extra = data_config.extra_test_splits(num_files)
   clash = sorted(set(splits) & set(extra))
   if clash:
     raise ValueError(f'config.data.extra_test_files={config.data.extra_test_files!r}: '
@@ -332,56 +312,31 @@ def _recorded_final(workdir: str, step: int, names: list[str]) -> dict[str, dict
   return {name: found.get(name, {}) for name in names} if complete else None
 
 
-def _evaluate_final(s, params, eval_step, pipelines, tokenizer, workdir: str, step: int,
+def _evaluate_final(evaluators, params, pipelines, workdir: str, step: int,
                     writer) -> dict[str, dict[str, Any]]:
-  """Every split of `pipelines` (name -> eval pipeline), whole: loss, perplexity, accuracy;
-  for translation also BLEU (sacreBLEU, cased, detokenized, beam of config.decode) against
-  the raw reference text, chrF and the number of sentences. Each is written to metrics.jsonl
-  as split=<name>; the translations go to `<workdir>/final_eval/<step>/<name>.txt`, and all
-  of it (signatures included) to `final_eval/<step>/metrics.json`.
-
-  The translations are `decode.Translator`'s, with the batch size `translate` uses by
-  default, so `python -m lowrank_attn.translate` reproduces them from the checkpoint.
+  """Every split of `pipelines` (name -> eval pipeline), whole, by every evaluator of the task
+  (`Evaluator.final`): loss and the task's metrics (translation: BLEU against the raw
+  references, chrF, sentences; GLUE: its metrics). Each split is written to metrics.jsonl as
+  split=<name>; the evaluators' files (translations) to `<workdir>/final_eval/<step>/`, and
+  all of it (signatures included) to `final_eval/<step>/metrics.json`.
   """
-  config = s.config
-  translator = None
-  if s.task.translates:
-    from lowrank_attn.train import decode  # only translation needs it
-    translator = decode.Translator(
-        s, params, tokenizer, beam_size=config.decode.beam_size,
-        length_penalty=config.decode.length_penalty, max_length=config.decode.max_length,
-        batch_size=decode.default_batch_size(config), source_max_length=config.data.max_length)
   results = {}
   for name, pipeline in pipelines.items():
-    metrics = evaluate(s, params, eval_step, pipeline, -1)
-    strings = {}
-    if translator is not None:
-      source, target = config.data.source_lang, config.data.target_lang
-      examples = [pipeline.data_source[i] for i in range(len(pipeline.data_source))]
-      sources = [e[source].decode('utf-8') for e in examples]
-      references = [e[target].decode('utf-8') for e in examples]
-      translations = translator.translate(sources)
-      scores = decode.score(translations.texts, references)
-      bleu_key = 'bleu' if config.decode.beam_size > 1 else 'bleu_greedy'
-      metrics.update({bleu_key: scores['bleu'], 'chrf': scores['chrf'],
-                      'sentences': scores['sentences'],
-                      'beam_size': float(config.decode.beam_size),
-                      'truncated_sources': float(len(translations.truncated))})
-      strings = {k: scores[k] for k in ('bleu_signature', 'chrf_signature')}
-      _write_final(workdir, step, f'{name}.txt', ''.join(t + '\n' for t in translations.texts))
-      where = name if name == pipeline.split else f'{name} ({pipeline.split})'
-      metrics_lib.say(
-          f'{where}: {scores["bleu_summary"]}  {scores["bleu_signature"]}; '
-          f'chrF2 {scores["chrf"]:.2f} {scores["chrf_signature"]}; '
-          f'{len(references)} sentences, beam {config.decode.beam_size}'
-          + (f', {len(translations.truncated)} sources cut to data.max_length='
-             f'{config.data.max_length} tokens' if translations.truncated else ''))
+    metrics, strings = {}, {}
+    for evaluator in evaluators:
+      result = evaluator.final(params, pipeline, name)
+      metrics.update(result.metrics)
+      strings.update(result.strings)
+      for file_name, text in result.files.items():
+        _write_final(workdir, step, file_name, text)
     writer.write_scalars(step, name, metrics)
     metrics_lib.say(f'final {name} at step {step}: ' + '  '.join(
         f'{k} {v:.4g}' for k, v in metrics.items()))
     results[name] = {**metrics, **strings}
-  if translator is not None:
-    metrics_lib.say(f'final translation: {translator.timing.describe()}')
+  for evaluator in evaluators:
+    line = evaluator.finish()
+    if line:
+      metrics_lib.say(line)
   writer.flush()
   _write_final(workdir, step, 'metrics.json', json.dumps(results, indent=2, sort_keys=True))
   return results

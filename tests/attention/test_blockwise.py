@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lowrank_attn import attention as A
-from lowrank_attn.attention import blockwise
+from lowrank_attn.attention import blockwise, dispatch
 
 # Each example compiles two gradients: keep the counts small.
 SETTINGS = settings(max_examples=12, deadline=None,
@@ -137,8 +137,8 @@ def test_fully_masked_rows_give_zero(make_params):
   params = make_params(spec)
   x = jnp.ones((1, 5, 4))
   mask = jnp.ones((1, 2, 5, 5), bool).at[:, :, 1, :].set(False)
-  heads = blockwise.attend(params, spec, *A.project(params, spec, x, x, x), mask=mask,
-                           block_size=2)
+  heads = dispatch.attend(params, spec, *A.project(params, spec, x, x, x), mask=mask,
+                          block_size=2)
   np.testing.assert_array_equal(heads[:, 1], 0.0)
   assert np.all(np.abs(heads[:, 0]) > 0)
 
@@ -251,16 +251,19 @@ def test_invalid_implementation_settings_name_the_setting(make_params):
     call(implementation='blockwise', block_size=0)
   with pytest.raises(ValueError, match='return_weights=True needs'):
     call(implementation='blockwise', return_weights=True)
-  with pytest.raises(ValueError, match='needs a GPU backend'):
+  with pytest.raises(ValueError, match="needs a GPU backend, but this one is 'cpu'"):
     call(implementation='cudnn')
-  with blockwise.target_platform('tpu'):
-    with pytest.raises(ValueError, match="does not support kind='talking_heads'"):
-      call(implementation='splash')
-    concat = dataclasses.replace(spec, kind='concat', num_logit_heads=None)
-    concat_params = {k: v for k, v in params.items() if 'mixing' not in k}
-    with pytest.raises(ValueError, match='a boolean mask'):
-      A.multi_head_attention(concat_params, x, spec=concat, mask=jnp.ones((3, 3), bool),
-                             implementation='splash')
+  with pytest.raises(ValueError, match="needs a TPU backend, but this one is 'gpu'"):
+    call(implementation='splash', platform='gpu')
+  with pytest.raises(ValueError, match="does not support kind='talking_heads'"):
+    call(implementation='splash', platform='tpu')
+  concat = dataclasses.replace(spec, kind='concat', num_logit_heads=None, platform='tpu')
+  concat_params = {k: v for k, v in params.items() if 'mixing' not in k}
+  with pytest.raises(ValueError, match='a boolean mask'):  # the spec's platform
+    A.multi_head_attention(concat_params, x, spec=concat, mask=jnp.ones((3, 3), bool),
+                           implementation='splash')
+  with pytest.raises(ValueError, match="platform='cuda' is not None or one of"):
+    dataclasses.replace(spec, platform='cuda')
 
 
 @pytest.mark.parametrize('length', [6, 7])
@@ -287,8 +290,7 @@ def test_cudnn_wrapper_with_xla_standing_in_for_cudnn(make_params, monkeypatch, 
   mask[1] = False  # the second example of each row sees no key at all
   call = functools.partial(A.multi_head_attention, params, x, spec=spec, mask=jnp.asarray(mask),
                            is_causal=True)
-  with blockwise.target_platform('gpu'):
-    out = call(implementation='cudnn').out
+  out = call(implementation='cudnn', platform='gpu').out
   expected = call(implementation='xla').out
   np.testing.assert_allclose(np.float32(out), np.float32(expected), atol=0.03, rtol=0.03)
   np.testing.assert_array_equal(np.float32(out[:, 1]), np.float32(expected[:, 1]))
@@ -310,13 +312,12 @@ def test_splash_kernel_in_interpret_mode(make_params, monkeypatch, options):
 
   def loss(params, x, implementation):
     out = A.multi_head_attention(params, x, spec=spec, is_causal=True,
-                                 implementation=implementation).out
+                                 implementation=implementation, platform='tpu').out
     return jnp.sum(jnp.sin(out)), out
 
   grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
   expected_grads, expected = grad(params, x, 'xla')
-  with blockwise.target_platform('tpu'):
-    grads, out = grad(params, x, 'splash')
+  grads, out = grad(params, x, 'splash')
   np.testing.assert_allclose(out, expected, atol=5e-5, rtol=1e-4)
   for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
     np.testing.assert_allclose(g, g_ref, atol=2e-3, rtol=2e-3)

@@ -10,6 +10,7 @@ import pytest
 from jax.test_util import check_grads
 
 from lowrank_attn import attention as A
+from lowrank_attn.reparam import concat_to_collaborative
 
 KINDS_AND_OPTIONS = [
     dict(kind='concat'),
@@ -40,14 +41,6 @@ def run(params, x, spec, **kwargs):
 # ------------------------------------------------------------------ equivalences between kinds
 
 
-def test_fixed_head_with_head_dim_d_over_h_is_concat(make_params):
-  concat = spec_of(kind='concat')
-  fixed = spec_of(kind='fixed_head', head_dim=16 // 4)
-  params = make_params(concat)
-  x = inputs()
-  np.testing.assert_array_equal(run(params, x, fixed), run(params, x, concat))
-
-
 def test_fixed_head_lifts_the_rank_of_each_heads_logits(make_params):
   """Bhojanapalli et al.: with head size d < n a head's n x n logits have rank <= d."""
   x = inputs((1, 24, 32))
@@ -63,7 +56,7 @@ def test_fixed_head_lifts_the_rank_of_each_heads_logits(make_params):
 def test_collaborative_concatenate_full_width_is_concat(make_params, use_bias):
   concat = spec_of(kind='concat', use_bias=use_bias)
   params = make_params(concat)
-  collab_params, collab = A.concat_to_collaborative(params, concat)
+  collab_params, collab = concat_to_collaborative(params, concat)
   assert collab.kind == 'collaborative' and collab.key_dim == 16
   np.testing.assert_array_equal(collab_params['mixing'], A.concatenate_mixing(4, 16))
   x, y = inputs(), inputs((2, 9, 16), seed=2)

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from lowrank_attn import attention as A
+from lowrank_attn.reparam import concat_to_collaborative
 
 SETTINGS = settings(max_examples=15, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -45,19 +46,10 @@ def out(params, spec, x, y, mask):
 
 @SETTINGS
 @given(shapes())
-def test_fixed_head_equals_concat_at_d_over_h(make_params, s):
-  concat, x, y, mask = build(s, qkv_features=s['heads'] * s['head_dim'])
-  fixed = dataclasses.replace(concat, kind='fixed_head', head_dim=s['head_dim'])
-  params = make_params(concat, s['seed'])
-  np.testing.assert_array_equal(out(params, fixed, x, y, mask), out(params, concat, x, y, mask))
-
-
-@SETTINGS
-@given(shapes())
 def test_collaborative_concatenate_full_width_equals_concat(make_params, s):
   concat, x, y, mask = build(s, qkv_features=s['heads'] * s['head_dim'])
   params = make_params(concat, s['seed'])
-  collab_params, collab = A.concat_to_collaborative(params, concat)
+  collab_params, collab = concat_to_collaborative(params, concat)
   np.testing.assert_allclose(out(collab_params, collab, x, y, mask),
                              out(params, concat, x, y, mask), atol=3e-5, rtol=1e-4)
 

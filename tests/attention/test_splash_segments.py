@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lowrank_attn import attention as A
-from lowrank_attn.attention import blockwise
+from lowrank_attn.attention import fused
 
 KINDS = {'concat': dict(), 'collaborative': dict(kind='collaborative', key_dim=6)}
 LENGTH = 24  # not a multiple of splash's 128-wide blocks: padded
@@ -22,12 +22,10 @@ LENGTH = 24  # not a multiple of splash's 128-wide blocks: padded
 
 @pytest.fixture
 def interpret_splash(monkeypatch):
-  """Splash in Pallas' interpreter, and 'tpu' as the platform `check_implementation` sees."""
+  """Splash in Pallas' interpreter (the calls pass platform='tpu' to be checked as on a TPU)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   monkeypatch.setattr(splash, 'make_splash_mha',
                       functools.partial(splash.make_splash_mha, interpret=True))
-  with blockwise.target_platform('tpu'):
-    yield
 
 
 def segments():
@@ -52,7 +50,8 @@ def loss_and_grads(params, x, y, *, spec, implementation, is_causal, mask=None,
                    segment_ids=None):
   def loss(params, x, y):
     out = A.multi_head_attention(params, x, y, spec=spec, mask=mask, is_causal=is_causal,
-                                 segment_ids=segment_ids, implementation=implementation).out
+                                 segment_ids=segment_ids, implementation=implementation,
+                                 platform='tpu').out
     return jnp.sum(jnp.sin(out)), out  # a gradient that differs per output element
   return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(params, x, y)
 
@@ -85,7 +84,7 @@ def test_queries_that_see_no_key_output_only_the_bias(make_params, interpret_spl
   x, y = inputs()
   q_ids, kv_ids = segments()
   out = A.multi_head_attention(params, x, y, spec=spec, segment_ids=(q_ids, kv_ids),
-                               implementation='splash').out
+                               implementation='splash', platform='tpu').out
   sees_none = ~np.any(np.asarray(A.segment_mask(q_ids, kv_ids))[:, 0], axis=-1)
   assert sees_none[0, 18:].all() and sees_none[1, 5:9].all() and sees_none[1, 20:].all()
   np.testing.assert_allclose(np.asarray(out)[sees_none],
@@ -101,7 +100,7 @@ def test_sees_any_key_is_the_masks_row_any(is_causal):
   mask = A.segment_mask(q_ids, kv_ids)[:, 0]
   if is_causal:
     mask = mask & A.causal_mask(20)
-  np.testing.assert_array_equal(blockwise._sees_any_key(q_ids, kv_ids, is_causal),
+  np.testing.assert_array_equal(fused._sees_any_key(q_ids, kv_ids, is_causal),
                                 np.any(mask, axis=-1))
 
 
@@ -124,14 +123,14 @@ def test_splash_still_refuses_a_boolean_mask_and_bad_segment_ids(make_params):
   params = make_params(spec)
   x, _ = inputs()
   q_ids, _ = segments()
-  call = functools.partial(A.multi_head_attention, params, x, spec=spec, implementation='splash')
-  with blockwise.target_platform('tpu'):
-    for extra in (dict(), dict(segment_ids=(q_ids, q_ids))):
-      with pytest.raises(ValueError, match=r'a boolean mask .*segment_ids'):
-        call(mask=A.segment_mask(q_ids, q_ids), **extra)
-    with pytest.raises(ValueError, match='segment_ids must be a'):
-      call(segment_ids=q_ids)
-    with pytest.raises(ValueError, match='query segment_ids must be integers'):
-      call(segment_ids=(q_ids * 1.0, q_ids))
-    with pytest.raises(ValueError, match=r'key segment_ids has shape \(2, 5\)'):
-      call(segment_ids=(q_ids, q_ids[:, :5]))
+  call = functools.partial(A.multi_head_attention, params, x, spec=spec, implementation='splash',
+                           platform='tpu')
+  for extra in (dict(), dict(segment_ids=(q_ids, q_ids))):
+    with pytest.raises(ValueError, match=r'a boolean mask .*segment_ids'):
+      call(mask=A.segment_mask(q_ids, q_ids), **extra)
+  with pytest.raises(ValueError, match='segment_ids must be a'):
+    call(segment_ids=q_ids)
+  with pytest.raises(ValueError, match='query segment_ids must be integers'):
+    call(segment_ids=(q_ids * 1.0, q_ids))
+  with pytest.raises(ValueError, match=r'key segment_ids has shape \(2, 5\)'):
+    call(segment_ids=(q_ids, q_ids[:, :5]))

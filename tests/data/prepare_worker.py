@@ -3,7 +3,7 @@
     python prepare_worker.py PROCESS_ID PORT WORKDIR
 
 Prints PREPARED / TRAINED when this process prepared the data set / trained the tokenizer,
-then VOCAB <size>. Started by test_data_pipeline.py::test_two_jax_processes_prepare_once.
+then VOCAB <size>. Started by test_pipeline.py::test_two_jax_processes_prepare_once.
 """
 
 import sys
@@ -12,6 +12,7 @@ import jax
 
 jax.config.update('jax_cpu_collectives_implementation', 'gloo')
 
+from lowrank_attn import tasks  # pylint: disable=g-import-not-at-top
 from lowrank_attn import data  # pylint: disable=g-import-not-at-top
 from lowrank_attn.data import datasets, tokenizers  # pylint: disable=g-import-not-at-top
 
@@ -33,7 +34,7 @@ def main(process_id: str, port: str, workdir: str):
   config = data.default_data_config(
       name='tiny_shakespeare', task='lm', tokenizer='char', max_length=64
   )
-  pipeline = data.make_pipeline(
+  pipeline = tasks.make_pipeline(
       config,
       split='train',
       seed=0,

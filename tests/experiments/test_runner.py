@@ -109,7 +109,7 @@ def test_sigterm_reaches_the_running_command_and_rerun_resumes_it(tmp_path):
   assert 'interrupted by SIGTERM' in stderr
   assert saved.read_text() == 'checkpoint'
   assert not (runs_dir / 'second' / 'DONE').exists()
-  last = runner._read_jsonl(runs_dir / 'second' / runner.ATTEMPTS_FILE)[-1]
+  last = runner.files.read_jsonl(runs_dir / 'second' / runner.ATTEMPTS_FILE)[-1]
   assert last['returncode'] == 143 and last['interrupted']
   assert [s['state'] for s in runner.status(runs_dir)] == ['done', 'interrupted']
 

@@ -15,7 +15,6 @@ import optax
 import pytest
 
 from lowrank_attn import models
-from lowrank_attn.attention import blockwise
 
 V = 40
 LENGTH = 20  # padded to splash's 128-wide blocks inside the kernel call
@@ -23,8 +22,9 @@ LENGTH = 20  # padded to splash's 128-wide blocks inside the kernel call
 
 def config(implementation, kind='concat'):
   options = dict(key_dim=8) if kind == 'collaborative' else {}
+  # platform='tpu': splash is checked as on a TPU (and runs in Pallas' interpreter here).
   attention = models.AttentionSpec(num_heads=2, kind=kind, implementation=implementation,
-                                   **options)
+                                   platform='tpu', **options)
   return models.TransformerConfig(
       vocab_size=V, emb_dim=16, mlp_dim=32, num_encoder_layers=1, num_decoder_layers=1,
       encoder_attention=attention, decoder_attention=attention, cross_attention=attention,
@@ -87,8 +87,7 @@ def test_splash_model_matches_xla(monkeypatch, kind, attention_kind):
   expected, expected_grads = nnx.value_and_grad(loss_fn)(model, kind)
   # The same parameters, only the attention implementation changed.
   model = build(kind, config('splash', attention_kind))
-  with blockwise.target_platform('tpu'):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, kind)
+  loss, grads = nnx.value_and_grad(loss_fn)(model, kind)
   np.testing.assert_allclose(loss, expected, rtol=1e-5)
   for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
     np.testing.assert_allclose(g, g_ref, atol=2e-5, rtol=2e-4)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from lowrank_attn import models
-from lowrank_attn.pruning import keep_from_gates, prune_heads, write_model_run
+from lowrank_attn.pruning import keep_from_gates, prune_heads
+from lowrank_attn.runs import RunDir
 from lowrank_attn.train import checkpoints, config as config_lib
 
 V, D, H, LAYERS = 40, 16, 4, 2
@@ -105,7 +106,7 @@ def test_pruned_model_equals_masked_original_through_a_saved_run(name, tmp_path)
   # (per-layer head counts as --config.model.<type>_attention.num_heads='(..)' would set them).
   config = training_config(**KINDS[name])
   assert config_lib.model_config(config, V) == model.cfg
-  overrides = write_model_run(pruned, tmp_path / 'pruned', config)
+  overrides = RunDir(tmp_path / 'pruned').write_model(pruned, config)
   assert overrides['model.encoder_attention.num_heads'] == tuple(keep['encoder'].sum(1))
   with open(tmp_path / 'pruned' / checkpoints.CONFIG_FILE) as f:
     restored_config = config_lib.from_dict(json.load(f))
@@ -116,6 +117,26 @@ def test_pruned_model_equals_masked_original_through_a_saved_run(name, tmp_path)
   restored = models.EncoderDecoder(restored_cfg, bos_id=1, rngs=nnx.Rngs(1))
   nnx.update(restored, jax.tree.map(jnp.asarray, state['params']))
   np.testing.assert_allclose(logits_of(restored, inputs, targets), expected, atol=1e-5)
+
+
+def test_attention_sites_name_every_layer_once_by_its_parameter_path():
+  # The one walk pruning, re-parametrization and the L0 penalty share: model order (encoder,
+  # then decoder self before cross), and paths that index the parameter tree.
+  model = random_model(small_config())
+  sites = model.attention_sites()
+  assert [(s.attention_type, s.index) for s in sites] == [
+      ('encoder', 0), ('encoder', 1), ('decoder', 0), ('cross', 0), ('decoder', 1), ('cross', 1)]
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  for site in sites:
+    node = params
+    for key in site.path:
+      node = node[key]
+    expected = nnx.to_pure_dict(nnx.state(site.layer, nnx.Param))
+    assert jax.tree.all(jax.tree.map(lambda a, b: a is b, node, expected)), site.path
+  assert {t: [id(a) for a in layers] for t, layers in model.attention_layers().items()} == {
+      t: [id(s.layer) for s in sites if s.attention_type == t] for t in ('encoder', 'decoder',
+                                                                           'cross')}
+  assert list(model.decoder.attention_layers()) == [s.layer for s in sites[2:]]
 
 
 def test_a_layer_without_heads_adds_only_its_output_bias():

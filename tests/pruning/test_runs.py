@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lowrank_attn import pruning, train
-from lowrank_attn.reparam.runs import with_overrides
+from lowrank_attn.runs import RunDir, with_overrides
 from lowrank_attn.train import config as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def test_pruned_run_equals_masked_source_and_trains(tmp_path):
   assert overrides['model.encoder_attention.num_heads'] == (3, 0)
   assert json.loads((tmp_path / 'pruned' / 'pruning.json').read_text())['keep']['cross'] == [
       [1, 1, 1, 1], [0, 1, 0, 0]]
-  original, pruned = pruning.load_run(source).model, pruning.load_run(pruned_dir).model
+  original, pruned = RunDir(source).model(), RunDir(pruned_dir).model()
   rng = np.random.default_rng(0)
   inputs = jnp.asarray(rng.integers(5, 100, (2, 9)), jnp.int32)
   targets = jnp.asarray(rng.integers(5, 100, (2, 7)), jnp.int32)
@@ -50,11 +50,11 @@ def test_pruned_run_equals_masked_source_and_trains(tmp_path):
   config = with_overrides(tiny_config(2), overrides)
   result = train.train_and_evaluate(config, tuned)
   assert result['step'] == 2 and np.isfinite(result['train']['loss'])
-  restored = pruning.load_run(tuned)  # the pruned model's own checkpoint, restored
-  assert restored.step == 2
-  assert pruning.head_counts(restored.model) == {'encoder': (3, 0), 'decoder': (4, 4),
-                                                 'cross': (4, 1)}
-  trained = nnx.jit(lambda m: m(inputs, targets)[0])(restored.model)
+  restored = RunDir(tuned)  # the pruned model's own checkpoint, restored
+  assert restored.latest_step() == 2
+  assert pruning.head_counts(restored.model()) == {'encoder': (3, 0), 'decoder': (4, 4),
+                                                   'cross': (4, 1)}
+  trained = nnx.jit(lambda m: m(inputs, targets)[0])(restored.model())
   assert np.isfinite(trained).all()
   assert not np.allclose(trained, nnx.jit(lambda m: m(inputs, targets)[0])(pruned))
 
@@ -75,6 +75,5 @@ def test_gate_run_with_every_gate_closed_prunes_to_a_buildable_run(tmp_path):
   written = json.loads((tmp_path / 'pruned' / 'config.json').read_text())
   assert written['trainable'] is None
   rebuilt = config_lib.from_dict(written)  # what evaluation and fine-tuning build from
-  train.state.setup(rebuilt, vocab_size=pruning.load_run(pruned_dir).tokenizer.vocab_size,
-                    bos_id=1)
-  assert pruning.head_counts(pruning.load_run(pruned_dir).model)['encoder'] == (0, 0)
+  train.state.setup(rebuilt, vocab_size=RunDir(pruned_dir).tokenizer.vocab_size, bos_id=1)
+  assert pruning.head_counts(RunDir(pruned_dir).model())['encoder'] == (0, 0)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from lowrank_attn import nn as lnn
-from lowrank_attn.attention.convert import CP_OPTIONS
+from lowrank_attn.reparam.convert import CP_OPTIONS
 from lowrank_attn.reparam import collaborative_factors
 
 from .dense import (D_K, D_Q, HEAD_DIM, HEADS, RANK, cp_tensor, dense_tensor, reference,

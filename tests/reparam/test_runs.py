@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from lowrank_attn import models
-from lowrank_attn.reparam import to_low_rank_concat, with_overrides, write_run
+from lowrank_attn.reparam import to_low_rank_concat, write_run
+from lowrank_attn.runs import with_overrides
 from lowrank_attn.train import config as config_lib, state as state_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -4,7 +4,6 @@ The compiles need libtpu (`make test-tpu` installs it in its own virtualenv) and
 saying so, where it is missing; the batch spec and the "does not fit" error need no libtpu.
 """
 
-import importlib
 import importlib.util
 import pathlib
 import re
@@ -12,12 +11,13 @@ import re
 import jax
 import pytest
 
+from lowrank_attn import chips
 from lowrank_attn import data
+from lowrank_attn import tasks
 from lowrank_attn.train import config as config_lib, state as state_lib
+from tpu import compile as compile_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-compile_tool = importlib.import_module('compile')  # tpu/compile.py (tests/tpu/conftest.py)
-chips = importlib.import_module('chips')
 HAS_LIBTPU = importlib.util.find_spec('libtpu') is not None
 needs_libtpu = pytest.mark.skipif(
     not HAS_LIBTPU, reason="libtpu is not installed (pip install -e '.[tpu]', or run "
@@ -32,7 +32,7 @@ def test_batch_spec_is_the_training_pipelines(tmp_path):
   """Keys, shapes and dtypes as the real pipeline gives them (here on 2 devices)."""
   config = tiny('lm')
   config.data.name = 'tiny_shakespeare'  # in the shared data directory: quick to prepare
-  pipeline = data.make_pipeline(config.data, split='train', seed=0, train=True,
+  pipeline = tasks.make_pipeline(config.data, split='train', seed=0, train=True,
                                 global_batch_size=2 * config.per_device_batch_size,
                                 workdir=str(tmp_path))
   assert compile_tool.batch_spec(config, num_devices=2) == pipeline.element_spec

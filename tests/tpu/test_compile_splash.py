@@ -22,7 +22,7 @@ needs_libtpu = pytest.mark.skipif(
 @needs_libtpu
 @pytest.mark.slow
 def test_tiny_nmt_with_splash_compiles_for_v5e_2x2(tmp_path):
-  tool = importlib.import_module('compile')  # tpu/compile.py (tests/tpu/conftest.py)
+  tool = importlib.import_module('tpu.compile')  # imported here: it loads the whole trainer
   config = config_lib.load(f'{ROOT}/configs/nmt.py:tiny')
   assert config.data.packing  # segment ids in every attention type
   config.model.attention.implementation = 'splash'

@@ -1,12 +1,19 @@
 """Honest MFU: the peak says where it came from; every MFU is printed with achieved GFLOP/s."""
 
+import os
+import pathlib
 import pickle
+import shutil
+import subprocess
+import sys
 import types
 
 import jax
 import pytest
 
 from lowrank_attn.train import metrics
+
+PACKAGE = pathlib.Path(metrics.__file__).resolve().parents[1]
 
 
 def test_tpu_peak_is_the_published_chip_figure():
@@ -15,6 +22,21 @@ def test_tpu_peak_is_the_published_chip_figure():
   assert float(peak) == 197e12
   assert 'published bf16 peak of v5e' in peak.source and 'cloud.google.com' in peak.source
   assert peak.spread is None
+
+
+@pytest.mark.integration  # starts Python
+def test_the_chip_table_travels_with_the_package(tmp_path):
+  """An installed (not editable) package has no tpu/ folder beside it; the peak is still found."""
+  shutil.copytree(PACKAGE, tmp_path / 'lowrank_attn',
+                  ignore=shutil.ignore_patterns('__pycache__'))
+  code = ('import types; from lowrank_attn.train import metrics; '
+          "v5e = types.SimpleNamespace(platform='tpu', device_kind='TPU v5 lite'); "
+          'print(metrics.__file__); print(metrics.peak_flops_per_device(device=v5e).source)')
+  env = {**os.environ, 'PYTHONPATH': str(tmp_path), 'JAX_PLATFORMS': 'cpu'}
+  out = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env, check=True,
+                       capture_output=True, text=True, timeout=120).stdout.splitlines()
+  assert out[-2].startswith(str(tmp_path))  # the copy, not this checkout
+  assert out[-1].startswith('published bf16 peak of v5e'), out[-1]
 
 
 def test_measured_peak_is_the_best_sample_with_its_spread(monkeypatch):

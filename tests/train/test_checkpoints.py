@@ -7,6 +7,7 @@ import fcntl
 import os
 import pathlib
 import random
+import re
 import select
 import signal
 import subprocess
@@ -54,7 +55,7 @@ def committed_steps(workdir) -> list[int]:
 def wait_for_checkpoint(workdir, process, timeout=180):
   deadline = time.time() + timeout
   while not committed_steps(workdir):
-    assert process.poll() is None, process.communicate()[0]
+    assert process.poll() is None, 'the run ended before committing a checkpoint'
     assert time.time() < deadline, 'no checkpoint appeared'
     time.sleep(0.05)
 
@@ -75,47 +76,6 @@ def assert_bitwise_equal(a, b):
   assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
   for (path, x), (_, y) in zip(flat_a, flat_b):
     assert x.dtype == y.dtype and np.array_equal(x, y), jax.tree_util.keystr(path)
-
-
-def kill_and_resume(helpers, workdir, tfds_dir, kills, rng):
-  """Kills the run `kills` times at random moments, then lets it finish; returns the last
-  committed step seen after each kill and the final output."""
-  cmd = command(helpers, workdir, tfds_dir)
-  seen = []
-  for _ in range(kills):
-    process = start(helpers, cmd)
-    wait_for_checkpoint(workdir, process)
-    time.sleep(rng.uniform(0.0, 0.8))  # an arbitrary moment: mid-step, mid-save, ...
-    process.send_signal(signal.SIGKILL)
-    process.communicate()
-    seen.append(max(committed_steps(workdir)))
-  rc, out = finish(start(helpers, cmd))
-  assert rc == 0, out
-  return seen, out
-
-
-def test_sigkill_at_a_random_moment_then_resume_is_bitwise_exact(helpers, tfds_dir, tmp_path,
-                                                                reference):
-  (last_committed,), out = kill_and_resume(helpers, tmp_path, tfds_dir, kills=1,
-                                            rng=random.Random())
-  step, state = checkpoints.load_state(str(tmp_path))
-  assert step == STEPS
-  if last_committed < STEPS:  # (else the kill landed after the last step)
-    assert f'resumed from step {last_committed}' in out
-  assert_bitwise_equal(state['params'], reference['params'])
-  assert_bitwise_equal(state['opt_state'], reference['opt_state'])
-  # Only committed step directories remain; interrupted saves were cleaned up.
-  names = os.listdir(tmp_path / checkpoints.CHECKPOINT_DIR)
-  assert not [n for n in names if 'tmp' in n], names
-  assert (tmp_path / checkpoints.CONFIG_FILE).exists()
-
-
-@pytest.mark.slow
-def test_repeated_sigkills_then_resume_is_bitwise_exact(helpers, tfds_dir, tmp_path, reference):
-  seen, _ = kill_and_resume(helpers, tmp_path, tfds_dir, kills=4, rng=random.Random(1234))
-  assert min(seen) < STEPS
-  _, state = checkpoints.load_state(str(tmp_path))
-  assert_bitwise_equal(state['params'], reference['params'])
 
 
 def read_from(fd, deadline, until: str | None = None) -> str:
@@ -139,6 +99,92 @@ def read_from(fd, deadline, until: str | None = None) -> str:
 PIPE_BYTES = 4096
 
 
+def kill_after_step(helpers, cmd, workdir, step) -> str:
+  """Runs `cmd` until it reports `step`, then SIGKILLs it; returns its output.
+
+  The kill moment is chosen, never left to the clock: the run prints a progress line every
+  step (~70 bytes) into a one-page pipe that the test stops reading at `step`, so the run
+  blocks on its own output within ~60 steps of it, while its background saves go on. It dies
+  wherever it is by then: mid-step or mid-save.
+  """
+  read_end, write_end = os.pipe()
+  try:
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    process = start(helpers, cmd, stdout=write_end)
+  finally:
+    os.close(write_end)
+  deadline = time.time() + 300
+  with os.fdopen(read_end, 'rb', buffering=0) as pipe:
+    try:
+      out = read_from(pipe.fileno(), deadline, until=f'step {step}/{STEPS} ')
+      wait_for_checkpoint(workdir, process)  # committed in the background (async saves)
+    finally:
+      process.send_signal(signal.SIGKILL)
+      process.wait()
+    out += read_from(pipe.fileno(), deadline)
+  assert f'step {step}/{STEPS} ' in out, out  # (not an EOF first)
+  return out
+
+
+# How many steps after its start each run is killed: seeded, and small enough that the run
+# blocks on the pipe (~60 progress lines fill a page) before the last step.
+KILL_STEPS = random.Random(22).sample(range(4, 10), 4)
+
+
+def resumed_step(out: str) -> int:
+  """The step a run says it resumed from; its first progress line must be the next one."""
+  match = re.search(r'^resumed from step (\d+) ', out, re.MULTILINE)
+  assert match, f'the run did not resume:\n{out}'
+  step = int(match.group(1))
+  first = re.search(r'^step (\d+)/', out, re.MULTILINE)
+  assert first and int(first.group(1)) == step + 1, out
+  return step
+
+
+def kill_and_resume(helpers, workdir, tfds_dir, kills: int) -> tuple[list[int], list[int]]:
+  """Kills the run `kills` times, each time a few (seeded) steps after it started or resumed,
+  then lets it finish. Returns the last committed step after each kill and the step each
+  following run resumed from."""
+  cmd = command(helpers, workdir, tfds_dir, progress_every_secs=0.0)
+  committed, resumed = [], []
+  for i in range(kills):
+    first_step = committed[-1] if committed else 0
+    out = kill_after_step(helpers, cmd, workdir, first_step + KILL_STEPS[i])
+    if i:
+      resumed.append(resumed_step(out))
+    committed.append(max(committed_steps(workdir)))
+    assert 0 < committed[-1] < STEPS, (committed, out)
+  rc, out = finish(start(helpers, cmd))
+  assert rc == 0, out
+  resumed.append(resumed_step(out))
+  return committed, resumed
+
+
+@pytest.mark.integration
+def test_sigkill_mid_run_then_resume_is_bitwise_exact(helpers, tfds_dir, tmp_path, reference):
+  (committed,), (resumed,) = kill_and_resume(helpers, tmp_path, tfds_dir, kills=1)
+  # The second run resumed from the kill's last committed step, strictly inside the run.
+  assert resumed == committed and 0 < resumed < STEPS
+  step, state = checkpoints.load_state(str(tmp_path))
+  assert step == STEPS
+  assert_bitwise_equal(state['params'], reference['params'])
+  assert_bitwise_equal(state['opt_state'], reference['opt_state'])
+  # Only committed step directories remain; interrupted saves were cleaned up.
+  names = os.listdir(tmp_path / checkpoints.CHECKPOINT_DIR)
+  assert not [n for n in names if 'tmp' in n], names
+  assert (tmp_path / checkpoints.CONFIG_FILE).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_repeated_sigkills_then_resume_is_bitwise_exact(helpers, tfds_dir, tmp_path, reference):
+  committed, resumed = kill_and_resume(helpers, tmp_path, tfds_dir, kills=4)
+  assert resumed == committed  # every run went on from the last one's checkpoint
+  _, state = checkpoints.load_state(str(tmp_path))
+  assert_bitwise_equal(state['params'], reference['params'])
+
+
+@pytest.mark.integration
 def test_sigterm_saves_then_resume_is_exact(helpers, tfds_dir, tmp_path, reference):
   """SIGTERM mid-run saves a checkpoint and exits 143; rerunning resumes exactly.
 
@@ -213,6 +259,7 @@ def test_restore_onto_a_different_mesh(helpers, tmp_path):
   assert_bitwise_equal(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, state))
 
 
+@pytest.mark.integration
 def test_nan_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(
     helpers, tfds_dir, tmp_path):
   config = helpers.override(helpers.load_config('lm', 'tiny'), {

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from lowrank_attn import tasks
 from lowrank_attn import data
 from lowrank_attn.train import checkpoints
 
@@ -39,7 +40,7 @@ def prepare(helpers, workdir, tfds_dir):
   """Builds the data set and tokenizer once, so the two processes only read them."""
   config = helpers.load_config('lm', 'tiny')
   config.data.tfds_data_dir = tfds_dir
-  data.make_pipeline(config.data, split='train', seed=0, global_batch_size=4, train=True,
+  tasks.make_pipeline(config.data, split='train', seed=0, global_batch_size=4, train=True,
                      workdir=str(workdir))
 
 

@@ -22,6 +22,8 @@ import pytest
 
 from lowrank_attn.train import checkpoints
 
+pytestmark = pytest.mark.integration  # the real command line, in a subprocess
+
 # A step of ~2 s on the 2-core CPU (D=256, 32 x 256 characters): slow enough that the steps
 # in flight, not the save, dominate the time from the signal to the exit.
 SLOW_STEP = {

@@ -175,9 +175,17 @@ def test_a_bad_run_directory_is_one_line_and_exit_status_2(run, tmp_path, case):
   assert done.stderr.count('\n') == 1 and 'Traceback' not in done.stderr
 
 
-def test_translate_checks_match_the_checkpoints_module():
-  assert (translate.CONFIG_FILE, translate.CHECKPOINT_DIR) == (checkpoints.CONFIG_FILE,
-                                                               checkpoints.CHECKPOINT_DIR)
+def test_translate_checks_a_run_without_importing_jax():
+  # A wrong --workdir must fail at once: the checks read the directory, not JAX or Orbax.
+  code = ('import sys\nfrom lowrank_attn import translate\n'
+          'try:\n  translate.check_run("/nonexistent", None)\n'
+          'except translate.UsageError as e:\n  print(e)\n'
+          'print("jax" in sys.modules, "orbax" in sys.modules)')
+  done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                        timeout=120, check=True)
+  said, loaded = done.stdout.splitlines()
+  assert said == '--workdir=/nonexistent: no such directory.'
+  assert loaded == 'False False'
 
 
 def test_a_missing_extra_test_file_fails_before_training(run, helpers, tfds_dir, tmp_path):
@@ -228,18 +236,11 @@ def test_plot_curve_adds_the_time_before_a_resume():
 def test_translations_do_not_depend_on_the_mesh(run, mesh):
   """The parameters restored onto another mesh (sharded by fsdp and tensor) translate the 40
   'mini' sentences as the end of training did on 8-way data parallelism."""
-  from lowrank_attn import data as data_lib
-  from lowrank_attn.train import decode, state as state_lib
-
   config = translate.run_config(run.workdir)
   config.mesh.update(mesh)
-  tokenizer = data_lib.load_tokenizer(config.data, run.workdir)
-  s = state_lib.setup(config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
-  params = checkpoints.restore_params(run.workdir, STEPS, s.abstract_state['params'])
-  translator = decode.Translator(
-      s, params, tokenizer, beam_size=BEAM, length_penalty=config.decode.length_penalty,
-      max_length=config.decode.max_length, batch_size=decode.default_batch_size(config),
-      source_max_length=config.data.max_length)
+  opened = translate.open_run(run.workdir, config)
+  params = opened.run.restore_params(STEPS, opened.abstract_params)
+  translator = opened.translator(params, beam_size=BEAM)
   texts = translator.translate(raw_lines(run.paths['mini'][0])).texts
   written = raw_lines(os.path.join(run.workdir, train.FINAL_EVAL_DIR, str(STEPS), 'mini.txt'))
   assert texts == written

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import pathlib
@@ -12,6 +13,29 @@ import tensorflow_datasets as tfds
 from lowrank_attn.data import raw_files
 
 VERSION = tfds.core.Version('1.0.0')
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+  """How a named data set is built and which features hold its text.
+
+  Every builder module declares its names in a module-level `DATASETS = {name: DatasetSpec}`;
+  `lowrank_attn.data.builders` collects them, so a new data set is one builder module.
+
+  Attributes:
+    builder_cls: our TFDS builder; None for an official TFDS dataset (looked up by name).
+    config: builder config name, if any.
+    text_feature: feature with the text of one document (lm/mlm); None for parallel corpora,
+      where `source_lang` selects the side.
+    languages: features of a parallel corpus, one per language (nmt).
+    splits: the split names it may have.
+  """
+
+  builder_cls: type | None
+  config: str | None = None
+  text_feature: str | None = None
+  languages: tuple[str, ...] = ()
+  splits: tuple[str, ...] = ('train', 'validation', 'test')
 
 
 class RawFileBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):

@@ -106,3 +106,9 @@ class Multi30kCaptions(base.RawFileBuilder):
       raise ValueError(f'Caption files {paths} differ in length: {lengths}.')
     for i, captions in enumerate(zip(*per_file)):
       yield i, {'image_index': i, 'captions': list(captions)}
+
+
+DATASETS = {
+    'multi30k': base.DatasetSpec(Multi30k, languages=('en', 'de')),
+    'multi30k_captions': base.DatasetSpec(Multi30kCaptions, splits=('test',)),
+}

@@ -139,3 +139,9 @@ class Shakespeare(base.RawFileBuilder):
 
   def _generate_examples(self, examples):
     yield from enumerate(examples)
+
+
+DATASETS = {
+    'tiny_shakespeare': base.DatasetSpec(Shakespeare, 'tiny', text_feature='text'),
+    'shakespeare': base.DatasetSpec(Shakespeare, 'full_works', text_feature='text'),
+}

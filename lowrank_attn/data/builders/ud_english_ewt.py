@@ -120,3 +120,6 @@ class UdEnglishEwt(base.RawFileBuilder):
   def _generate_examples(self, path):
     for i, sentence in enumerate(parse_conllu(path)):
       yield i, dataclasses.asdict(sentence)
+
+
+DATASETS = {'ud_english_ewt': base.DatasetSpec(UdEnglishEwt, text_feature='text')}

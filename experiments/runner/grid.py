@@ -1,26 +1,8 @@
-"""A grid of runs as subprocesses: resumable, one `results.json`, plots and README tables.
+"""The grid scheduler: runs as subprocesses, one LOCK per run directory, attempts, signals.
 
-An experiment script builds `Run`s and hands them to `run_grid`:
-
-    runs = [train_run(f'kd{k}-s{s}', 'configs/nmt.py:multi30k', seed=s,
-                      overrides={'model.encoder_attention.key_dim': k})
-            for k in (16, 32, 64) for s in (0, 1, 2)]
-    results = run_grid(runs, 'experiments/key_width', runs_dir=args.runs_dir)
-    rows = final(results, split='test')
-    plot_lines(rows, x='model.encoder_attention.key_dim', y='bleu', out='.../bleu.png')
-
-Each run owns `<runs_dir>/<name>/` (its command's `{rundir}`): `log.txt` (stdout and stderr of
-every attempt), `attempts.jsonl`, `LOCK` and, once the command exited 0, `DONE`: a JSON object
-with the run's seed, config, command, wall time, machine and collected metrics. A rerun skips
-runs with a DONE file and starts the others again; our training CLI resumes from the
-checkpoints in its workdir, so an interrupted training run continues where it stopped.
-`results.json` in the experiment folder is rebuilt from the DONE files after every finished run.
-Each attempt records the code it ran (`code`: the commit of the commands' checkout and the
-tracked Python files modified in it), because a command imports the code anew at every (re)start: a
-grid run from a tree someone is editing says so in its log, its attempts and its DONE entry.
-Run long grids from a checkout nobody edits (`git worktree add ../exp HEAD`).
-
-`python -m experiments.runner status RUNS_DIR` lists the state of each run directory.
+`run_grid` starts what is not finished, `parallel` at a time; the state lives in the run
+directories (`files`), so a killed grid is resumed by running it again. `status` reads that
+state back.
 """
 
 import argparse
@@ -29,12 +11,9 @@ import ctypes
 import dataclasses
 import datetime
 import fcntl
-import importlib.metadata
 import json
-import math
 import os
 import pathlib
-import platform
 import re
 import shlex
 import signal
@@ -44,15 +23,11 @@ import threading
 import time
 from typing import Any
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS_FILE = 'results.json'
-DONE_FILE = 'DONE'
-LOG_FILE = 'log.txt'
-LOCK_FILE = 'LOCK'
-ATTEMPTS_FILE = 'attempts.jsonl'
-METRICS_FILE = 'metrics.jsonl'  # written by lowrank_attn.train.metrics.MetricWriter
-RESULT_FILE = 'result.json'  # optional: whatever a command wants to report itself
-RUNS_ENV = 'LOWRANK_ATTN_RUNS'  # root of run directories that outlive the work tree
+from experiments.runner import files
+from experiments.runner.files import ATTEMPTS_FILE, DONE_FILE, LOCK_FILE, LOG_FILE, RESULTS_FILE
+from experiments.runner.provenance import REPO_ROOT, code_version, default_runs_dir, machine
+from experiments.runner.results import read_run
+
 _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._=,+-]{0,199}')
 _ENTRY_KEYS = ('name', 'seed', 'config', 'command', 'wall_time_s', 'wall_time_total_s',
                'attempts', 'finished', 'machine', 'code')
@@ -103,78 +78,6 @@ def train_run(name: str, config: str, *, seed: int = 0,
              '--workdir={rundir}', f'--config.seed={seed}']
   command += [f'--config.{key}={value}' for key, value in overrides.items()]
   return Run(name, command, config={'config': config, **overrides}, seed=seed, **kwargs)
-
-
-def read_metrics(rundir: str | os.PathLike) -> list[dict[str, Any]]:
-  """`<rundir>/metrics.jsonl`, keeping the last line per (split, step), sorted by both.
-
-  A resumed run appends the steps after its checkpoint again, so the last line is the one
-  that led to the final state. A line cut short by a kill is skipped.
-  """
-  path = pathlib.Path(rundir) / METRICS_FILE
-  if not path.exists():
-    return []
-  last = {}
-  with open(path) as f:
-    for line in f:
-      try:
-        entry = json.loads(line)
-        key = (str(entry['split']), int(entry['step']))
-      except (ValueError, KeyError, TypeError):
-        continue
-      last[key] = entry
-  return [last[key] for key in sorted(last)]
-
-
-def read_run(rundir: str | os.PathLike) -> dict[str, Any]:
-  """The default collector: metrics.jsonl (without the hparams line), result.json, config.json.
-
-  `metrics`: the lines of `read_metrics`; `result`: the run's own `result.json` ({} if none);
-  `full_config`: the resolved config our training CLI writes (omitted if absent).
-  """
-  rundir = pathlib.Path(rundir)
-  out = {'metrics': [m for m in read_metrics(rundir) if m['split'] != 'hparams'],
-         'result': _read_json(rundir / RESULT_FILE) or {}}
-  full_config = _read_json(rundir / 'config.json')
-  if full_config is not None:
-    out['full_config'] = full_config
-  return out
-
-
-def machine() -> dict[str, Any]:
-  """Where this process runs: platform, CPU model and count, Python and JAX versions."""
-  info = {'platform': platform.platform(), 'cpu': _cpu_model(), 'cpu_count': os.cpu_count()}
-  if hasattr(os, 'sched_getaffinity'):
-    info['cpus_available'] = len(os.sched_getaffinity(0))
-  info['python'] = platform.python_version()
-  for package in ('jax', 'jaxlib', 'flax'):
-    try:
-      info[package] = importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-      pass
-  return info
-
-
-def code_version(checkout: str | os.PathLike) -> dict[str, Any]:
-  """The code a command started in `checkout` runs: `commit` (None outside git) and
-  `modified`, the tracked Python files that differ from it (not the results, READMEs and plots
-  that grids write, nor untracked files)."""
-
-  def git(*args):
-    return subprocess.run(['git', '-C', str(checkout), *args], capture_output=True, text=True)
-
-  head = git('rev-parse', 'HEAD')
-  if head.returncode != 0:
-    return {'commit': None, 'modified': []}
-  status = git('status', '--porcelain', '--untracked-files=no').stdout.splitlines()
-  modified = sorted(path for path in (line[3:] for line in status) if path.endswith('.py'))
-  return {'commit': head.stdout.strip(), 'modified': modified}
-
-
-def default_runs_dir(experiment: str) -> pathlib.Path:
-  """`$LOWRANK_ATTN_RUNS/<experiment>` if set, else `runs/<experiment>` in the repository."""
-  root = os.environ.get(RUNS_ENV)
-  return pathlib.Path(root) / experiment if root else REPO_ROOT / 'runs' / experiment
 
 
 def arg_parser(description: str | None, experiment: str) -> argparse.ArgumentParser:
@@ -266,7 +169,7 @@ class _Grid:
 
   def run(self, refresh: bool) -> None:
     for run in self.runs:
-      entry = _read_json(self.rundir(run) / DONE_FILE)
+      entry = files.read_json(self.rundir(run) / DONE_FILE)
       if entry is None:
         continue
       if refresh:
@@ -316,7 +219,7 @@ class _Grid:
           continue
         queue.remove(run)
         changed = True
-        entry = _read_json(rundir / DONE_FILE)
+        entry = files.read_json(rundir / DONE_FILE)
         if entry is not None:  # finished by another grid meanwhile
           os.close(lock_fd)
           self.done[run.name] = entry
@@ -334,7 +237,7 @@ class _Grid:
         time.sleep(0.05)
 
   def _start(self, run: Run, rundir: pathlib.Path, lock_fd: int) -> _Attempt | None:
-    number = sum('start' in line for line in _read_jsonl(rundir / ATTEMPTS_FILE)) + 1
+    number = sum('start' in line for line in files.read_jsonl(rundir / ATTEMPTS_FILE)) + 1
     argv = [arg.replace('{rundir}', str(rundir)) for arg in run.command]
     env = {**os.environ, **self.env, **(run.env or {}), 'RUN_DIR': str(rundir),
            'PYTHONUNBUFFERED': '1'}
@@ -343,7 +246,7 @@ class _Grid:
       log.flush()
       offset = log.tell()
       code = code_version(self.cwd)
-      _append_jsonl(rundir / ATTEMPTS_FILE, {'attempt': number, 'start': _now(), 'code': code})
+      files.append_jsonl(rundir / ATTEMPTS_FILE, {'attempt': number, 'start': _now(), 'code': code})
       start = time.monotonic()
       try:
         # Own session: a terminal's Ctrl-C reaches only the grid, which stops commands with
@@ -353,8 +256,8 @@ class _Grid:
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 pass_fds=(lock_fd,), preexec_fn=_die_with_parent())
       except OSError as e:
-        _append_jsonl(rundir / ATTEMPTS_FILE, {'attempt': number, 'end': _now(),
-                                               'returncode': None, 'wall_time_s': 0.0})
+        files.append_jsonl(rundir / ATTEMPTS_FILE, {'attempt': number, 'end': _now(),
+                                                    'returncode': None, 'wall_time_s': 0.0})
         os.close(lock_fd)
         self._fail(run, rundir, f'could not start: {e}', tail='')
         return None
@@ -371,10 +274,10 @@ class _Grid:
     run, rundir, code = attempt.run, attempt.rundir, attempt.proc.returncode
     wall = round(time.monotonic() - attempt.start, 3)
     try:
-      _append_jsonl(rundir / ATTEMPTS_FILE, {'attempt': attempt.number, 'end': _now(),
-                                             'returncode': code, 'wall_time_s': wall})
+      files.append_jsonl(rundir / ATTEMPTS_FILE, {'attempt': attempt.number, 'end': _now(),
+                                                  'returncode': code, 'wall_time_s': wall})
       # Attempts whose grid was killed outright wrote no end: a lower bound then.
-      attempts = _read_jsonl(rundir / ATTEMPTS_FILE)
+      attempts = files.read_jsonl(rundir / ATTEMPTS_FILE)
       total = sum(a.get('wall_time_s', 0.0) for a in attempts)
       if code != 0:
         self._fail(run, rundir, f'{_describe_exit(code)} after {wall:.1f} s',
@@ -391,7 +294,7 @@ class _Grid:
                'wall_time_total_s': round(total, 3), 'attempts': attempt.number,
                'finished': _now(), 'machine': self.machine,
                'code': [a['code'] for a in attempts if 'code' in a], **collected}
-      _write_json(rundir / DONE_FILE, entry)  # the run counts as finished from here on
+      files.write_json(rundir / DONE_FILE, entry)  # the run counts as finished from here on
       self.done[run.name] = entry
       self.failed.pop(run.name, None)
       self.write_results()
@@ -410,7 +313,7 @@ class _Grid:
   def _refresh(self, run: Run, entry: dict) -> dict:
     collected = _collect(run, self.rundir(run))
     entry = {key: entry[key] for key in _ENTRY_KEYS if key in entry} | collected
-    _write_json(self.rundir(run) / DONE_FILE, entry)
+    files.write_json(self.rundir(run) / DONE_FILE, entry)
     return entry
 
   def _stop(self, running: list[_Attempt]) -> None:
@@ -432,7 +335,7 @@ class _Grid:
         _signal_group(attempt.proc, signal.SIGKILL)
     for attempt in running:
       attempt.proc.wait()
-      _append_jsonl(attempt.rundir / ATTEMPTS_FILE, {
+      files.append_jsonl(attempt.rundir / ATTEMPTS_FILE, {
           'attempt': attempt.number, 'end': _now(), 'returncode': attempt.proc.returncode,
           'wall_time_s': round(time.monotonic() - attempt.start, 3), 'interrupted': True})
       os.close(attempt.lock_fd)
@@ -460,201 +363,16 @@ class _Grid:
     }
 
   def write_results(self) -> None:
-    _write_json(self.results_path, self.results())
-
-
-def load_results(path: str | os.PathLike) -> dict[str, Any]:
-  """results.json, given the file or the experiment folder that holds it."""
-  path = pathlib.Path(path)
-  return json.loads((path / RESULTS_FILE if path.is_dir() else path).read_text())
-
-
-def final(results: Mapping[str, Any], split: str | None = None) -> list[dict[str, Any]]:
-  """One row per finished run: name, seed, its config, wall time, result.json's values and,
-  given a split, that split's last metrics line (highest step)."""
-  rows = []
-  for run in results['runs']:
-    row = _run_row(run)
-    row.update(run.get('result') or {})
-    lines = [m for m in run.get('metrics', ()) if m['split'] == split]
-    if lines:
-      row.update(max(lines, key=lambda m: m['step']))
-    rows.append(row)
-  return rows
-
-
-def bleu_of(metrics: Mapping[str, Any]) -> float | None:
-  """A translation evaluation's BLEU: beam search's where it ran, else greedy's, else None."""
-  return metrics.get('bleu', metrics.get('bleu_greedy'))
-
-
-def history(results: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
-  """One row per (run, metrics line of `split`): learning curves, with each run's config."""
-  return [{**_run_row(run), **line} for run in results['runs']
-          for line in run.get('metrics', ()) if line['split'] == split]
-
-
-def runs_summary(results: Mapping[str, Any]) -> str:
-  """A README line: how many runs, their run time, and the machines they ran on.
-
-  A grid that is not through yet says so: 'N of M runs finished (still to run: ...)'.
-  """
-  runs = results['runs']
-  if not runs:
-    return 'No finished runs.'
-  failed = [f['name'] for f in results.get('failed', [])]
-  unfinished = results.get('unfinished', [])
-  left = [f'{label}: {", ".join(names)}'
-          for label, names in (('failed', failed), ('still to run', unfinished)) if names]
-  total = len(runs) + len(failed) + len(unfinished)
-  count = f'{len(runs)} of {total} runs finished ({"; ".join(left)})' if left else (
-      f'{len(runs)} runs')
-  times = [run.get('wall_time_total_s', run['wall_time_s']) for run in runs]
-  machines = []
-  for run in runs:
-    m = run.get('machine', {})
-    line = (f"{m.get('cpu', '?')} ({m.get('cpus_available', m.get('cpu_count', '?'))} CPUs "
-            f"available), {m.get('platform', '?')}, Python {m.get('python', '?')}, "
-            f"jax {m.get('jax', '?')}")
-    if line not in machines:
-      machines.append(line)
-  return (f'{count}, {_duration(sum(times))} of run time in all (longest '
-          f'{_duration(max(times))}), on ' + '; '.join(machines) + '.')
-
-
-def aggregate(rows: Iterable[Mapping[str, Any]], by: Sequence[str],
-              values: Sequence[str]) -> list[dict[str, Any]]:
-  """Rows grouped by the `by` keys (e.g. everything but the seed), in first-seen order.
-
-  Each output row has the `by` values, `n` (rows in the group) and, for each key in
-  `values`, its mean under the same key plus `<key>_std` (sample), `<key>_min`, `<key>_max`
-  over the rows that have it (None if none has).
-  """
-  groups: dict[tuple, list] = {}
-  for row in rows:
-    groups.setdefault(tuple(_hashable(row.get(key)) for key in by), []).append(row)
-  out = []
-  for members in groups.values():
-    agg = {key: members[0].get(key) for key in by}
-    agg['n'] = len(members)
-    for key in values:
-      xs = [float(m[key]) for m in members if m.get(key) is not None]
-      mean = sum(xs) / len(xs) if xs else None
-      agg[key] = mean
-      agg[f'{key}_std'] = (math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
-                           if len(xs) > 1 else 0.0 if xs else None)
-      agg[f'{key}_min'] = min(xs) if xs else None
-      agg[f'{key}_max'] = max(xs) if xs else None
-    out.append(agg)
-  return out
-
-
-def plot_lines(rows: Iterable[Mapping[str, Any]], *, x: str, y: str,
-               out: str | os.PathLike, group: str | Sequence[str] | None = None,
-               spread: str | None = 'minmax', title: str | None = None,
-               xlabel: str | None = None, ylabel: str | None = None, logx: bool = False,
-               logy: bool = False) -> dict[str, dict[str, list]]:
-  """`y` against `x`, one line per value of `group`, written to `out` (a PNG or PDF).
-
-  Rows that share the group and x (e.g. seeds) become one point: their mean, with a band
-  over their min..max (`spread='minmax'`) or mean ± sample std (`'std'`), or no band (None).
-  Returns the plotted series, {label: {'x', 'mean', 'lo', 'hi', 'n'}}.
-  """
-  if spread not in ('minmax', 'std', None):
-    raise ValueError(f"spread must be 'minmax', 'std' or None, got {spread!r}")
-  by = [group] if isinstance(group, str) else list(group or ())
-  rows = [row for row in rows if row.get(x) is not None and row.get(y) is not None]
-  series: dict[str, dict[str, list]] = {}
-  for label_row in aggregate(rows, by, ()):
-    label = ', '.join(f'{key}={label_row[key]}' for key in by) or y
-    members = [row for row in rows if all(row.get(k) == label_row[k] for k in by)]
-    points = sorted(aggregate(members, [x], [y]), key=lambda p: p[x])
-    lo = [p[f'{y}_min'] if spread == 'minmax' else p[y] - p[f'{y}_std'] for p in points]
-    hi = [p[f'{y}_max'] if spread == 'minmax' else p[y] + p[f'{y}_std'] for p in points]
-    series[label] = {'x': [p[x] for p in points], 'mean': [p[y] for p in points],
-                     'lo': lo, 'hi': hi, 'n': [p['n'] for p in points]}
-
-  # The object API with the Agg canvas: no pyplot state, no display needed.
-  from matplotlib.backends.backend_agg import FigureCanvasAgg
-  from matplotlib.figure import Figure
-  from matplotlib.patches import Patch
-  fig = Figure(figsize=(6.4, 4.2), layout='constrained')
-  FigureCanvasAgg(fig)
-  ax = fig.add_subplot()
-  handles, has_band = [], False
-  band_label = {'minmax': 'min–max over seeds', 'std': '± std over seeds'}.get(spread)
-  for label, s in series.items():
-    (line,) = ax.plot(s['x'], s['mean'], marker='o' if len(s['x']) < 30 else None,
-                      markersize=4, label=label)
-    handles.append(line)
-    if spread and max(s['n']) > 1:
-      ax.fill_between(s['x'], s['lo'], s['hi'], color=line.get_color(), alpha=0.2, lw=0)
-      has_band = True
-  if has_band:  # one grey legend entry for all bands, last
-    handles.append(Patch(color='grey', alpha=0.3, label=band_label))
-  ax.set_xlabel(xlabel or x)
-  ax.set_ylabel(ylabel or y)
-  if logx:
-    ax.set_xscale('log')
-    xs = sorted({v for s in series.values() for v in s['x']})
-    if len(xs) <= 12:  # label the grid's own values (16, 32, ...), not powers of ten
-      ax.set_xticks(xs, [format(v, 'g') for v in xs])
-      ax.minorticks_off()
-  if logy:
-    ax.set_yscale('log')
-  if title:
-    ax.set_title(title)
-  ax.grid(alpha=0.3)
-  if len(handles) > 1:
-    ax.legend(handles=handles, fontsize='small')
-  pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(out, dpi=120)
-  return series
-
-
-def markdown_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[Any], *,
-                   floatfmt: str = '.4g') -> str:
-  """A Markdown table: one line per row.
-
-  A column is a key (also its header), `(header, key)` or `(header, fn)` with `fn(row)` giving
-  the cell. Floats are written with `floatfmt`, None as an empty cell.
-  """
-  specs = [(c, c) if isinstance(c, str) else tuple(c) for c in columns]
-
-  def cell(row, getter):
-    value = getter(row) if callable(getter) else row.get(getter)
-    if value is None:
-      return ''
-    if isinstance(value, float):
-      value = format(value, floatfmt)
-    return str(value).replace('|', '\\|').replace('\n', ' ')
-
-  lines = ['| ' + ' | '.join(header for header, _ in specs) + ' |',
-           '|' + '|'.join('---' for _ in specs) + '|']
-  lines += ['| ' + ' | '.join(cell(row, getter) for _, getter in specs) + ' |' for row in rows]
-  return '\n'.join(lines) + '\n'
-
-
-def write_section(path: str | os.PathLike, name: str, text: str) -> None:
-  """Replaces what lies between `<!-- name -->` and `<!-- /name -->` in a README."""
-  path = pathlib.Path(path)
-  begin, end = f'<!-- {name} -->', f'<!-- /{name} -->'
-  content = path.read_text()
-  if (content.count(begin) != 1 or content.count(end) != 1
-      or content.index(begin) > content.index(end)):
-    raise ValueError(f'{path} must hold the markers {begin} and {end} once each, in that order')
-  head, rest = content.split(begin)
-  _, tail = rest.split(end)
-  _write_text(path, f'{head}{begin}\n{text.strip()}\n{end}{tail}')
+    files.write_json(self.results_path, self.results())
 
 
 def status(runs_dir: str | os.PathLike) -> list[dict[str, Any]]:
   """The state of each run directory: done, running, failed, interrupted or new."""
   out = []
   for rundir in sorted(p for p in pathlib.Path(runs_dir).iterdir() if p.is_dir()):
-    attempts = _read_jsonl(rundir / ATTEMPTS_FILE)
+    attempts = files.read_jsonl(rundir / ATTEMPTS_FILE)
     info = {'name': rundir.name, 'attempts': sum('start' in a for a in attempts)}
-    done = _read_json(rundir / DONE_FILE)
+    done = files.read_json(rundir / DONE_FILE)
     lock_fd = _try_lock(rundir / LOCK_FILE) if (rundir / LOCK_FILE).exists() else None
     if lock_fd is not None:
       os.close(lock_fd)
@@ -670,11 +388,6 @@ def status(runs_dir: str | os.PathLike) -> list[dict[str, Any]]:
       info['state'] = 'interrupted'
     out.append(info)
   return out
-
-
-def _run_row(run: Mapping[str, Any]) -> dict[str, Any]:
-  return {'name': run['name'], 'seed': run.get('seed'), **(run.get('config') or {}),
-          'wall_time_s': run.get('wall_time_s')}
 
 
 def _collect(run: Run, rundir: pathlib.Path) -> dict[str, Any]:
@@ -744,27 +457,6 @@ def _tail(path: pathlib.Path, offset: int, lines: int) -> str:
   return '\n'.join(text.rstrip('\n').splitlines()[-lines:]) if text.strip() else '(empty)'
 
 
-def _cpu_model() -> str:
-  try:
-    with open('/proc/cpuinfo') as f:
-      for line in f:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
-def _duration(seconds: float) -> str:
-  if seconds < 120:
-    return f'{seconds:.0f} s'
-  return f'{seconds / 60:.1f} min' if seconds < 7200 else f'{seconds / 3600:.1f} h'
-
-
-def _hashable(value):
-  return json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value
-
-
 def _quote(argv: Sequence[str]) -> str:
   return shlex.join(argv)
 
@@ -775,75 +467,3 @@ def _now() -> str:
 
 def _say(line: str, err: bool = False) -> None:
   print(line, file=sys.stderr if err else sys.stdout, flush=True)
-
-
-def _read_json(path: pathlib.Path) -> Any:
-  try:
-    return json.loads(path.read_text())
-  except FileNotFoundError:
-    return None
-
-
-def _read_jsonl(path: pathlib.Path) -> list[dict]:
-  if not path.exists():
-    return []
-  out = []
-  for line in path.read_text().splitlines():
-    try:
-      out.append(json.loads(line))
-    except ValueError:  # cut short by a kill
-      pass
-  return out
-
-
-def _append_jsonl(path: pathlib.Path, entry: Mapping[str, Any]) -> None:
-  with open(path, 'a') as f:
-    f.write(json.dumps(entry) + '\n')
-
-
-def _write_json(path: pathlib.Path, data: Any) -> None:
-  _write_text(path, _dumps(data) + '\n')
-
-
-def _write_text(path: pathlib.Path, text: str) -> None:
-  """Whole or not at all: a reader (or a kill) never sees a half-written file."""
-  tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
-  with open(tmp, 'w') as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
-def _dumps(value: Any, indent: int = 0, width: int = 100) -> str:
-  """Indented JSON with each short or flat object or list (a metrics line) on one line."""
-  flat = json.dumps(value)
-  if not isinstance(value, (dict, list)) or len(flat) + indent <= width:
-    return flat
-  if not any(isinstance(v, (dict, list)) for v in (value.values() if isinstance(value, dict)
-                                                   else value)):
-    return flat
-  pad = ' ' * (indent + 1)
-  if isinstance(value, dict):
-    items = [f'{pad}{json.dumps(k)}: {_dumps(v, indent + 1, width)}' for k, v in value.items()]
-    return '{\n' + ',\n'.join(items) + '\n' + ' ' * indent + '}'
-  items = [pad + _dumps(v, indent + 1, width) for v in value]
-  return '[\n' + ',\n'.join(items) + '\n' + ' ' * indent + ']'
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(
-      prog='python -m experiments.runner', description=__doc__,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  commands = parser.add_subparsers(dest='command', required=True)
-  status_parser = commands.add_parser('status', help='the state of each run in RUNS_DIR')
-  status_parser.add_argument('runs_dir')
-  args = parser.parse_args(argv)
-  if not pathlib.Path(args.runs_dir).is_dir():
-    sys.exit(f'No such directory: {args.runs_dir}')
-  rows = status(args.runs_dir)
-  print(markdown_table(rows, ['name', 'state', 'attempts', 'wall_time_s', 'returncode']), end='')
-
-
-if __name__ == '__main__':
-  main()

@@ -1,29 +1,23 @@
-"""Conversions between attention kinds (pure functions of parameter dicts).
+"""Conversions between attention kinds: of a layer's parameter dict, and of NNX layers.
 
 - `concat_to_collaborative`: concat/fixed-head -> collaborative, exact at full key width and a
-  CP decomposition of the stacked per-head W_Q^(i) W_K^(i)T below it (`lowrank_attn.reparam`).
+  CP decomposition of the stacked per-head W_Q^(i) W_K^(i)T below it (`collaborative_factors`).
 - `per_head_svd`: the fair low-rank baseline at equal key width, each head's W_Q^(i) W_K^(i)T
   truncated by SVD, expressed as a collaborative layer with block one-hot mixing.
+- `from_flax`, `layer_to_collaborative`: the same for NNX layers, behind
+  `MultiHeadAttention.from_flax` and `MultiHeadAttention.to_collaborative`.
 """
 
 import dataclasses
 import math
 
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_attn.attention.spec import AttentionSpec
-
-
-def concatenate_mixing(num_heads: int, key_dim: int, dtype=jnp.float32):
-  """Block one-hot mixing `[num_heads, key_dim]`: head i owns its own slice of the key width.
-
-  With key_dim = num_heads * head_dim a collaborative layer then computes exactly the logits
-  of concatenated heads (Cordonnier et al. 2020, sec. 3.1). When key_dim is not a multiple
-  of num_heads the slices differ in size by at most one column.
-  """
-  owner = np.arange(key_dim) * num_heads // key_dim  # the head owning each column
-  return jnp.asarray(owner[None, :] == np.arange(num_heads)[:, None], dtype)
+from lowrank_attn.attention import AttentionSpec, concatenate_mixing
+from lowrank_attn.nn import MultiHeadAttention
+from lowrank_attn.reparam.cp import collaborative_factors
 
 
 def _check_convertible(name: str, spec: AttentionSpec) -> None:
@@ -49,8 +43,8 @@ def _unchanged_and_content_bias(params: dict, spec: AttentionSpec) -> dict:
   return new
 
 
-# The keyword arguments of `lowrank_attn.reparam.collaborative_factors`, which the conversions
-# pass on (`**cp_options`); everything else they take is a setting of the converted layer.
+# The keyword arguments of `collaborative_factors`, which the conversions pass on
+# (`**cp_options`); everything else they take is a setting of the converted layer.
 CP_OPTIONS = ('num_iterations', 'tol', 'num_starts', 'check_every', 'seed')
 
 
@@ -61,9 +55,8 @@ def concat_to_collaborative(params: dict, spec: AttentionSpec, key_dim: int | No
 
   From key_dim = num_heads * head_dim (the default) on, exactly: W~_Q = [W_Q^(1) ... W_Q^(h)],
   W~_K likewise, block one-hot mixing (Cordonnier et al. 2020, sec. 3.1). Below it, the
-  rank-key_dim CP decomposition of T_i = W_Q^(i) W_K^(i)T (`lowrank_attn.reparam.
-  collaborative_factors`, options `cp_options`). The content bias is exact at any width;
-  values, output and gates are copied.
+  rank-key_dim CP decomposition of T_i = W_Q^(i) W_K^(i)T (`collaborative_factors`, options
+  `cp_options`). The content bias is exact at any width; values, output and gates are copied.
 
   The logit scale stays the original layer's (1/sqrt(head_dim) unless it had its own): the
   factors approximate its logits at that scale. `rescale_logits=True` instead uses
@@ -89,8 +82,6 @@ def concat_to_collaborative(params: dict, spec: AttentionSpec, key_dim: int | No
     new['mixing'] = concatenate_mixing(h, h * d, wq.dtype)
     error = 0.0
   else:
-    # Imported here: reparam sits on top of the kernels and may import them at module level.
-    from lowrank_attn.reparam.cp import collaborative_factors  # pylint: disable=g-import-not-at-top
     factors = collaborative_factors(wq, wk, key_dim, **cp_options)
     new['query_kernel'] = jnp.asarray(factors.query_kernel, wq.dtype)
     new['key_kernel'] = jnp.asarray(factors.key_kernel, wk.dtype)
@@ -150,3 +141,68 @@ def per_head_svd(params: dict, spec: AttentionSpec, key_dim: int, *, return_erro
   total = np.sum(s ** 2)
   error = float(np.sqrt(discarded / total)) if total > 0 else 0.0
   return new, new_spec, error
+
+
+# --------------------------------------------------------------------------- NNX layers
+
+
+def from_flax(module: nnx.MultiHeadAttention, *, kind: str = 'concat', key_dim: int | None = None,
+              rescale_logits: bool = False, layer_class: type = MultiHeadAttention,
+              **options) -> MultiHeadAttention:
+  """`MultiHeadAttention.from_flax` (documented there): our layer (of `layer_class`) computing
+  what `module` computes, re-parametrized by `concat_to_collaborative` for kind='collaborative'.
+  """
+  if not isinstance(module, nnx.MultiHeadAttention):
+    raise ValueError(f'module must be a flax.nnx.MultiHeadAttention, got {type(module)}.')
+  cp_options = {name: options.pop(name) for name in CP_OPTIONS if name in options}
+  if kind != 'collaborative' and (key_dim is not None or rescale_logits or cp_options):
+    raise ValueError(f'key_dim, rescale_logits and the CP options {CP_OPTIONS} are only used '
+                     f"by kind='collaborative' (got kind={kind!r}).")
+  sizes = dict(num_heads=module.num_heads, in_features=module.in_features,
+               qkv_features=module.qkv_features, out_features=module.out_features,
+               num_kv_heads=module.num_kv_heads, in_kv_features=module.in_kv_features)
+  settings = dict(
+      **sizes, kind=kind, head_dim=module.head_dim if kind == 'fixed_head' else None,
+      dtype=module.dtype, param_dtype=module.param_dtype,
+      broadcast_dropout=module.broadcast_dropout, dropout_rate=module.dropout_rate,
+      deterministic=module.deterministic, precision=module.precision,
+      use_bias=module.use_bias, decode=module.decode, normalize_qk=module.normalize_qk)
+
+  # Flax's parameters under our names, then (collaborative) re-parametrized.
+  weights = {}
+  for name in ('query', 'key', 'value', 'out'):
+    weights[f'{name}_kernel'] = getattr(module, name).kernel[...]
+    if module.use_bias:
+      weights[f'{name}_bias'] = getattr(module, name).bias[...]
+  if module.normalize_qk:
+    weights['query_ln_scale'] = module.query_ln.scale[...]
+    weights['key_ln_scale'] = module.key_ln.scale[...]
+  if kind == 'collaborative':
+    concat_spec = AttentionSpec(**sizes, use_bias=module.use_bias,
+                                normalize_qk=module.normalize_qk)
+    weights, spec = concat_to_collaborative(weights, concat_spec, key_dim,
+                                            rescale_logits=rescale_logits, **cp_options)
+    settings.update(key_dim=spec.key_dim, logit_scale=spec.logit_scale)
+  layer = layer_class(**{**settings, **options}, rngs=nnx.Rngs(0))  # parameters set below
+  if module.rngs is not None and layer.rngs is not None:
+    layer.rngs = nnx.clone(module.rngs)  # same dropout stream as the original
+  layer.set_params(weights)
+  return layer
+
+
+def layer_to_collaborative(layer: MultiHeadAttention, key_dim: int | None = None, *,
+                           rescale_logits: bool = False, return_error: bool = False,
+                           **cp_options):
+  """`MultiHeadAttention.to_collaborative` (documented there): a new collaborative layer of
+  the same class, settings and dropout stream, from `concat_to_collaborative`."""
+  params, spec, error = concat_to_collaborative(
+      layer.kernel_params(), layer.spec, key_dim, rescale_logits=rescale_logits,
+      return_error=True, **cp_options)
+  new = type(layer).from_spec(
+      spec, rngs=nnx.Rngs(0), dtype=layer.dtype, param_dtype=layer.param_dtype,
+      broadcast_dropout=layer.broadcast_dropout, deterministic=layer.deterministic,
+      precision=layer.precision, decode=layer.decode, keep_rngs=layer.rngs is not None)
+  if layer.rngs is not None:
+    new.rngs = nnx.clone(layer.rngs)
+  new.set_params(params)
+  return (new, error) if return_error else new

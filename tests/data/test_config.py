@@ -31,7 +31,7 @@ def test_overrides_from_code_and_command_line_reach_the_dataclass():
 @pytest.mark.parametrize(
     'values, message',
     [
-        (dict(task='seq2seq'), r"task='seq2seq' is not one of \('lm', 'mlm', 'nmt'\)"),
+        (dict(task=''), r"task='' must be a non-empty string"),
         (dict(tokenizer='bytes'), r"tokenizer='bytes' is not one of \('char', 'sentencepiece'"),
         (dict(sentencepiece_model_type='char'), r"sentencepiece_model_type='char' is not one of"),
         (dict(max_length=1), r'max_length=1 must be an int >= 2'),
@@ -45,14 +45,13 @@ def test_overrides_from_code_and_command_line_reach_the_dataclass():
         (dict(name=''), r"name='' must be a non-empty string"),
         (dict(name='multi30k_captions'), r"name='multi30k_captions' is a retrieval test set"),
         (dict(data_dir=3), r'data_dir=3 must be a path or None'),
-        (dict(task='nmt', target_lang='en'), r"source_lang and target_lang are both 'en'"),
         (
-            dict(task='nmt', extra_test_files='a.en'),
-            r"extra_test_files='a.en': entry 'a.en' must be SOURCE:TARGET",
+            dict(task='nmt', extra_test_files='a.en:a.de:a.fr'),
+            r"extra_test_files='a.en:a.de:a.fr': entry 'a.en:a.de:a.fr' must be PATH or SOURCE:TARGET",
         ),
         (
-            dict(extra_test_files='a.en:a.de'),
-            r"extra_test_files='a.en:a.de': entry 'a.en:a.de' must be PATH",
+            dict(extra_test_files='a.en:'),
+            r"extra_test_files='a.en:': entry 'a.en:' must be PATH or SOURCE:TARGET",
         ),
         (
             dict(task='nmt', extra_test_files='x/a.en:a.de,y/a.en.gz:a.de'),
@@ -77,11 +76,11 @@ def test_extra_test_files_are_named_after_their_first_file():
   config = data.DataConfig(
       task='nmt', extra_test_files='x/test_2017_flickr.en.gz:x/test_2017_flickr.de.gz, b.en:b.de'
   )
-  assert config.extra_test_splits() == {
+  assert config.extra_test_splits(num_files=2) == {
       'test_2017_flickr': 'file:x/test_2017_flickr.en.gz:x/test_2017_flickr.de.gz',
       'b': 'file:b.en:b.de',
   }
-  assert data.DataConfig(extra_test_files='poems.txt').extra_test_splits() == {
+  assert data.DataConfig(extra_test_files='poems.txt').extra_test_splits(num_files=1) == {
       'poems': 'file:poems.txt'
   }
-  assert data.DataConfig().extra_test_splits() == {}
+  assert data.DataConfig().extra_test_splits(num_files=1) == {}

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from lowrank_attn import tasks
 from lowrank_attn import data
 from lowrank_attn.data import raw_files
 from lowrank_attn.data.builders import shakespeare
@@ -255,7 +256,7 @@ def test_shakespeare_needs_no_data_directory_and_no_network(tmp_path, monkeypatc
       tfds_data_dir=str(tmp_path / 'tfds'),
       tokenizer_max_corpus_chars=200_000,
   )
-  pipeline = data.make_pipeline(
+  pipeline = tasks.make_pipeline(
       config, split='train', seed=0, global_batch_size=4, train=True, workdir=tmp_path
   )
   assert next(pipeline)['inputs'].shape == (4, 64) and pipeline.tokenizer.vocab_size > 60

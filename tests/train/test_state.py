@@ -1,4 +1,5 @@
-"""On 8 CPU devices, data-, FSDP- and tensor-parallel training matches one device."""
+"""The sharded set-up (`train.setup`, `compile_steps`): on 8 CPU devices, data-, FSDP- and
+tensor-parallel training matches one device; gradient accumulation; bfloat16 compute."""
 
 import jax
 import numpy as np

@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import pytest
 
+from lowrank_attn import tasks
 from lowrank_attn import data
 from lowrank_attn.data import datasets
 from lowrank_attn.data import pipeline as pipeline_lib
@@ -56,7 +57,7 @@ def _real_rows(batches, key='inputs'):
 @pytest.fixture
 def pipeline(make_config, workdir):
   def make(config, *, split='train', seed=0, global_batch_size=8, train=True, **kwargs):
-    return data.make_pipeline(
+    return tasks.make_pipeline(
         make_config(**config),
         split=split,
         seed=seed,
@@ -245,7 +246,7 @@ def test_sentencepiece_vocabulary_is_cached_in_the_workdir_and_reused(pipeline, 
         (
             dict(task='seq2seq'),
             {},
-            r"config.data: task='seq2seq' is not one of \('lm', 'mlm', 'nmt'\)",
+            r"task='seq2seq' is not one of \('glue', 'lm', 'mlm', 'nmt'\)",
         ),
         (dict(MULTI30K_NMT, target_lang='en'), {}, r"source_lang and target_lang are both 'en'"),
         (dict(MULTI30K_NMT, target_lang='fr'), {}, r"no feature 'fr'.*features: \['de', 'en'\]"),
@@ -258,7 +259,7 @@ def test_sentencepiece_vocabulary_is_cached_in_the_workdir_and_reused(pipeline, 
         (dict(max_length=1), {}, r'config.data: max_length=1 must be an int >= 2'),
         (dict(max_len=32), {}, r"config.data has unknown fields \['max_len'\]"),
         (dict(MULTI30K_NMT, vocab_size=200), {}, r'vocab_size=200 is too small for SentencePiece'),
-        (dict(MULTI30K_NMT, max_length=3), {}, r'data.max_length=3: none of the first 256 pairs'),
+        (dict(MULTI30K_NMT, max_length=3), {}, r'data.max_length=3: none of the first 256 examples'),
     ],
 )
 def test_invalid_settings_are_named(pipeline, overrides, kwargs, message):
@@ -336,7 +337,7 @@ def test_packed_nmt_rows_hold_whole_pairs_with_aligned_segments(pipeline):
 
 def test_nmt_evaluation_stays_one_pair_per_row_with_packing_on(pipeline):
   packed = pipeline(PACKED_NMT, split='validation', train=False)
-  assert not packed.packed_pairs
+  assert not packed.packed
   assert tuple(packed.element_spec) == ('inputs', 'targets', 'weights')
   _assert_same_batches(
       _take(pipeline(MULTI30K_NMT, split='validation', train=False), 3), _take(packed, 3)
@@ -390,7 +391,7 @@ def test_text_files_evaluate_exactly_like_the_split_they_hold(pipeline, tmp_path
   en = _write_lines(tmp_path / 'flickr.en', [e['en'].decode() for e in examples])
   de = _write_lines(tmp_path / 'flickr.de.gz', [e['de'].decode() for e in examples])
   (split,) = (
-      data.DataConfig(**MULTI30K_NMT, extra_test_files=f'{en}:{de}').extra_test_splits().values()
+      data.DataConfig(**MULTI30K_NMT, extra_test_files=f'{en}:{de}').extra_test_splits(num_files=2).values()
   )
   from_files = pipeline(MULTI30K_NMT, split=split, global_batch_size=64, train=False)
   from_split = pipeline(MULTI30K_NMT, split='test', global_batch_size=64, train=False)
@@ -413,7 +414,7 @@ def test_a_text_file_of_documents_feeds_a_language_model(pipeline, tmp_path):
         ('missing', FileNotFoundError, r"The 'de' text file '.*missing\.de' does not exist"),
         ('unequal', ValueError, r'equal numbers of lines.*a\.en \(en\) has 3.*a\.de \(de\) has 2'),
         ('empty', ValueError, r"The 'de' text file '.*empty\.de' is empty"),
-        ('one_file', ValueError, r"task='nmt' reads text files as 'file:SOURCE:TARGET'"),
+        ('one_file', ValueError, r"task='nmt' reads text files as 'file:EN:DE'"),
     ],
 )
 def test_text_file_errors_name_the_files(pipeline, tmp_path, case, error, message):
@@ -452,7 +453,7 @@ def test_process_zero_prepares_while_the_others_wait_then_read(tmp_path, monkeyp
 
   def run(process_index):
     try:
-      pipelines[process_index] = data.make_pipeline(
+      pipelines[process_index] = tasks.make_pipeline(
           config,
           split='train',
           seed=0,

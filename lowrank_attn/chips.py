@@ -7,7 +7,8 @@ Peak, memory and memory bandwidth per chip are Google's published figures (the `
 each entry: the "Peak compute per chip (bf16)", HBM capacity and HBM bandwidth rows of the
 Cloud TPU system-architecture pages, read 2025). HBM is stored in GiB: the pages write "GB",
 and a chip's HBM is a power of two GiB, except v5p's 95. These peaks are what MFU divides by
-on TPU (`lowrank_attn.train.metrics`).
+on TPU (`lowrank_attn.train.metrics`); the scripts of tpu/ (launch, AOT compile) read the
+slice names and HBM from here too. Plain Python, no JAX: importing it costs nothing.
 """
 
 import dataclasses

@@ -1,0 +1,5 @@
+"""`python -m experiments.runner ...` (see `cli`)."""
+
+from experiments.runner import cli
+
+cli.main()

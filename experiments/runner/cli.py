@@ -1,0 +1,24 @@
+"""`python -m experiments.runner status RUNS_DIR`: the state of each run directory."""
+
+import argparse
+from collections.abc import Sequence
+import pathlib
+import sys
+
+from experiments.runner.grid import status
+from experiments.runner.report import markdown_table
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  from experiments import runner  # pylint: disable=import-outside-toplevel  (for its docstring)
+  parser = argparse.ArgumentParser(
+      prog='python -m experiments.runner', description=runner.__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  commands = parser.add_subparsers(dest='command', required=True)
+  status_parser = commands.add_parser('status', help='the state of each run in RUNS_DIR')
+  status_parser.add_argument('runs_dir')
+  args = parser.parse_args(argv)
+  if not pathlib.Path(args.runs_dir).is_dir():
+    sys.exit(f'No such directory: {args.runs_dir}')
+  rows = status(args.runs_dir)
+  print(markdown_table(rows, ['name', 'state', 'attempts', 'wall_time_s', 'returncode']), end='')

@@ -1,0 +1,149 @@
+"""Reading a grid's results: a run's metrics, results.json, one row per run or per metrics
+line, aggregates over seeds, and the README line saying what ran where and for how long."""
+
+from collections.abc import Iterable, Mapping, Sequence
+import json
+import math
+import os
+import pathlib
+from typing import Any
+
+from experiments.runner import files
+from experiments.runner.files import METRICS_FILE, RESULT_FILE, RESULTS_FILE
+
+
+def read_metrics(rundir: str | os.PathLike) -> list[dict[str, Any]]:
+  """`<rundir>/metrics.jsonl`, keeping the last line per (split, step), sorted by both.
+
+  A resumed run appends the steps after its checkpoint again, so the last line is the one
+  that led to the final state. A line cut short by a kill is skipped.
+  """
+  path = pathlib.Path(rundir) / METRICS_FILE
+  if not path.exists():
+    return []
+  last = {}
+  with open(path) as f:
+    for line in f:
+      try:
+        entry = json.loads(line)
+        key = (str(entry['split']), int(entry['step']))
+      except (ValueError, KeyError, TypeError):
+        continue
+      last[key] = entry
+  return [last[key] for key in sorted(last)]
+
+
+def read_run(rundir: str | os.PathLike) -> dict[str, Any]:
+  """The default collector: metrics.jsonl (without the hparams line), result.json, config.json.
+
+  `metrics`: the lines of `read_metrics`; `result`: the run's own `result.json` ({} if none);
+  `full_config`: the resolved config our training CLI writes (omitted if absent).
+  """
+  rundir = pathlib.Path(rundir)
+  out = {'metrics': [m for m in read_metrics(rundir) if m['split'] != 'hparams'],
+         'result': files.read_json(rundir / RESULT_FILE) or {}}
+  full_config = files.read_json(rundir / 'config.json')
+  if full_config is not None:
+    out['full_config'] = full_config
+  return out
+
+
+def load_results(path: str | os.PathLike) -> dict[str, Any]:
+  """results.json, given the file or the experiment folder that holds it."""
+  path = pathlib.Path(path)
+  return json.loads((path / RESULTS_FILE if path.is_dir() else path).read_text())
+
+
+def final(results: Mapping[str, Any], split: str | None = None) -> list[dict[str, Any]]:
+  """One row per finished run: name, seed, its config, wall time, result.json's values and,
+  given a split, that split's last metrics line (highest step)."""
+  rows = []
+  for run in results['runs']:
+    row = _run_row(run)
+    row.update(run.get('result') or {})
+    lines = [m for m in run.get('metrics', ()) if m['split'] == split]
+    if lines:
+      row.update(max(lines, key=lambda m: m['step']))
+    rows.append(row)
+  return rows
+
+
+def bleu_of(metrics: Mapping[str, Any]) -> float | None:
+  """A translation evaluation's BLEU: beam search's where it ran, else greedy's, else None."""
+  return metrics.get('bleu', metrics.get('bleu_greedy'))
+
+
+def history(results: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
+  """One row per (run, metrics line of `split`): learning curves, with each run's config."""
+  return [{**_run_row(run), **line} for run in results['runs']
+          for line in run.get('metrics', ()) if line['split'] == split]
+
+
+def runs_summary(results: Mapping[str, Any]) -> str:
+  """A README line: how many runs, their run time, and the machines they ran on.
+
+  A grid that is not through yet says so: 'N of M runs finished (still to run: ...)'.
+  """
+  runs = results['runs']
+  if not runs:
+    return 'No finished runs.'
+  failed = [f['name'] for f in results.get('failed', [])]
+  unfinished = results.get('unfinished', [])
+  left = [f'{label}: {", ".join(names)}'
+          for label, names in (('failed', failed), ('still to run', unfinished)) if names]
+  total = len(runs) + len(failed) + len(unfinished)
+  count = f'{len(runs)} of {total} runs finished ({"; ".join(left)})' if left else (
+      f'{len(runs)} runs')
+  times = [run.get('wall_time_total_s', run['wall_time_s']) for run in runs]
+  machines = []
+  for run in runs:
+    m = run.get('machine', {})
+    line = (f"{m.get('cpu', '?')} ({m.get('cpus_available', m.get('cpu_count', '?'))} CPUs "
+            f"available), {m.get('platform', '?')}, Python {m.get('python', '?')}, "
+            f"jax {m.get('jax', '?')}")
+    if line not in machines:
+      machines.append(line)
+  return (f'{count}, {_duration(sum(times))} of run time in all (longest '
+          f'{_duration(max(times))}), on ' + '; '.join(machines) + '.')
+
+
+def aggregate(rows: Iterable[Mapping[str, Any]], by: Sequence[str],
+              values: Sequence[str]) -> list[dict[str, Any]]:
+  """Rows grouped by the `by` keys (e.g. everything but the seed), in first-seen order.
+
+  Each output row has the `by` values, `n` (rows in the group) and, for each key in
+  `values`, its mean under the same key plus `<key>_std` (sample), `<key>_min`, `<key>_max`
+  over the rows that have it (None if none has).
+  """
+  groups: dict[tuple, list] = {}
+  for row in rows:
+    groups.setdefault(tuple(_hashable(row.get(key)) for key in by), []).append(row)
+  out = []
+  for members in groups.values():
+    agg = {key: members[0].get(key) for key in by}
+    agg['n'] = len(members)
+    for key in values:
+      xs = [float(m[key]) for m in members if m.get(key) is not None]
+      mean = sum(xs) / len(xs) if xs else None
+      agg[key] = mean
+      agg[f'{key}_std'] = (math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+                           if len(xs) > 1 else 0.0 if xs else None)
+      agg[f'{key}_min'] = min(xs) if xs else None
+      agg[f'{key}_max'] = max(xs) if xs else None
+    out.append(agg)
+  return out
+
+
+def _run_row(run: Mapping[str, Any]) -> dict[str, Any]:
+  return {'name': run['name'], 'seed': run.get('seed'), **(run.get('config') or {}),
+          'wall_time_s': run.get('wall_time_s')}
+
+
+def _duration(seconds: float) -> str:
+  if seconds < 120:
+    return f'{seconds:.0f} s'
+  return f'{seconds / 60:.1f} min' if seconds < 7200 else f'{seconds / 3600:.1f} h'
+
+
+def _hashable(value):
+  return json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value

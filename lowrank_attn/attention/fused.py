@@ -1,0 +1,140 @@
+"""Fused attention kernels behind our operands: cuDNN (GPU) and Pallas splash (TPU).
+
+Both take `query [batch..., q, heads, dk]` (already scaled), `key [batch..., kv, key_heads,
+dk]`, `value [batch..., kv, value_heads, dv]` as `dispatch.attend` builds them and return
+`[batch..., q, heads, dv]`; a query that sees no key outputs 0, as every implementation does.
+
+'cudnn' has run on an H100 (`tests/gpu`, `make test-gpu`); on CPU the tests run this wrapper
+with jax's XLA implementation standing in for cuDNN. 'splash' has not run on a TPU: the tests
+run its kernel in Pallas' CPU interpreter (alone and inside every model, with segment ids),
+and `tpu/compile.py` compiles the train steps with it for TPU slices (tpu/README.md).
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from lowrank_attn.attention import core
+
+Array = jax.Array
+
+# Splash's default block sizes (`BlockSizes.get_default()`): lengths are padded to multiples
+# (on TPU its key blocks must be multiples of 128 lanes).
+SPLASH_BLOCK = 128
+
+
+def cudnn_attention(query, key, value, mask, is_causal):
+  """GPU: cuDNN's fused attention over `[B, L, heads, d]`.
+
+  cuDNN takes a mask as a bias of full shape `[B, heads|1, q, kv]` (a `[.., 1, kv]` padding
+  mask is broadcast), and its backward pass needs even lengths: odd lengths are padded by one
+  position, the padded key masked out, the padded query dropped.
+  """
+  batch_shape, (q_length, heads, _) = query.shape[:-3], query.shape[-3:]
+  kv_length = key.shape[-3]
+  flat = lambda x: x.reshape(-1, *x.shape[-3:])
+  query, key, value = flat(query), flat(key), flat(value)
+  pad_q, pad_kv = q_length % 2, kv_length % 2
+  if pad_kv and mask is None:
+    mask = jnp.ones((q_length, kv_length), bool)
+  if mask is not None:  # to [B, heads|1, q, kv]
+    mask = jnp.asarray(mask, bool)
+    mask = mask.reshape((1,) * (len(batch_shape) + 3 - mask.ndim) + mask.shape)
+    mask = jnp.broadcast_to(mask, (*batch_shape, mask.shape[-3], q_length, kv_length))
+    mask = jnp.pad(mask.reshape(-1, *mask.shape[-3:]), ((0, 0), (0, 0), (0, pad_q), (0, pad_kv)))
+  along = lambda x, n: jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))
+  query, key, value = along(query, pad_q), along(key, pad_kv), along(value, pad_kv)
+  out = jax.nn.dot_product_attention(query, key, value, mask=mask, scale=1.0,
+                                     is_causal=is_causal, implementation='cudnn')
+  out = out[:, :q_length]
+  if mask is not None:  # our contract: a query that sees no key outputs 0
+    mask = mask[..., :q_length, :kv_length]
+    visible = mask & core.causal_mask(q_length, kv_length) if is_causal else mask
+    sees_any = jnp.broadcast_to(jnp.any(visible, axis=-1), (out.shape[0], heads, q_length))
+    out = out * jnp.swapaxes(sees_any, 1, 2)[..., None].astype(out.dtype)
+  return out.reshape(*batch_shape, *out.shape[1:])
+
+
+def splash_attention(query, key, value, is_causal, heads, segment_ids=None):
+  """TPU: the Pallas splash-attention kernel, vmapped over the batch (run here only in Pallas'
+  CPU interpreter).
+
+  Lengths are padded to whole kernel blocks (`SPLASH_BLOCK`), padded keys hidden by segment
+  id 0. Segment ids give `core.segment_mask`'s semantics: splash lets a query see the keys of
+  its own id, so queries of id <= 0 (which see no key under that mask, and in splash would see
+  padding) and queries whose segment has no (earlier, if causal) key output 0, as every
+  implementation does.
+  """
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # TPU-only dependency
+      splash_attention_kernel as splash, splash_attention_mask as splash_mask)
+  batch_shape = query.shape[:-3]
+  q_length, kv_length = query.shape[-3], key.shape[-3]
+  if key.shape[-2] != value.shape[-2]:  # collaborative: splash wants a key per value head
+    key = jnp.broadcast_to(key, (*key.shape[:-2], value.shape[-2], key.shape[-1]))
+  q_padded, kv_padded = (-(-n // SPLASH_BLOCK) * SPLASH_BLOCK for n in (q_length, kv_length))
+
+  def head_major(x, padded):  # [batch..., L, h, d] -> [B, h, L_padded, d]
+    x = jnp.swapaxes(x.reshape(-1, *x.shape[-3:]), 1, 2)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, padded - x.shape[2]), (0, 0)))
+
+  def flat_ids(ids, length, padded):  # [batch..., L] -> int32 [B, L_padded], padding 0
+    ids = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (*batch_shape, length))
+    return jnp.pad(ids.reshape(-1, length), ((0, 0), (0, padded - length)))
+
+  batch = math.prod(batch_shape)
+  if segment_ids is not None:
+    q_ids, kv_ids = flat_ids(segment_ids[0], q_length, q_padded), flat_ids(
+        segment_ids[1], kv_length, kv_padded)
+  elif kv_padded != kv_length:  # only to hide the padded keys
+    q_ids = jnp.ones((batch, q_padded), jnp.int32)
+    kv_ids = flat_ids(jnp.ones((kv_length,), jnp.int32), kv_length, kv_padded)
+  shape = (q_padded, kv_padded)
+  one = splash_mask.CausalMask(shape) if is_causal else splash_mask.FullMask(shape)
+  kernel = splash.make_splash_mha(splash_mask.MultiHeadMask((one,) * heads), head_shards=1,
+                                  q_seq_shards=1)
+  operands = (head_major(query, q_padded), head_major(key, kv_padded),
+              head_major(value, kv_padded))
+  if segment_ids is not None or kv_padded != kv_length:
+    operands += (splash.SegmentIds(q=q_ids, kv=kv_ids),)
+  out = _per_batch_shard(jax.vmap(kernel), batch, *operands)
+  out = jnp.swapaxes(out[:, :, :q_length], 1, 2)  # [B, q, heads, dv]
+  if segment_ids is not None:
+    sees_any = _sees_any_key(q_ids[:, :q_length], kv_ids, is_causal)
+    out = out * sees_any[:, :, None, None].astype(out.dtype)
+  return out.reshape(*batch_shape, q_length, heads, value.shape[-1])
+
+
+def _per_batch_shard(fn, batch: int, *operands):
+  """`fn(*operands)`, under a mesh in a `shard_map` over the leading (batch) axis.
+
+  XLA cannot partition a Pallas kernel itself. The batch is split over every mesh axis whose
+  size still divides it (data and fsdp in our layouts), each shard getting whole rows and all
+  heads; operands are replicated over the other axes.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(*operands)
+  axes, shards = [], 1
+  for name, size in mesh.shape.items():
+    if size > 1 and batch % (shards * size) == 0:
+      axes.append(name)
+      shards *= size
+  spec = jax.sharding.PartitionSpec(tuple(axes) if axes else None)
+  return jax.shard_map(fn, in_specs=spec, out_specs=spec, check_vma=False)(*operands)
+
+
+def _sees_any_key(q_ids: Array, kv_ids: Array, is_causal: bool) -> Array:
+  """bool `[B, q]`: `core.segment_mask` (causal: and `causal_mask`) leaves query i some key.
+
+  From each segment's first key (a sort, O(L log L)), never materialising `[B, q, kv]`.
+  """
+  order = jnp.argsort(kv_ids, axis=-1, stable=True)  # within a segment, keys in position order
+  sorted_ids = jnp.take_along_axis(kv_ids, order, axis=-1)
+  first = jax.vmap(jnp.searchsorted)(sorted_ids, q_ids)
+  first = jnp.minimum(first, kv_ids.shape[-1] - 1)
+  sees = (jnp.take_along_axis(sorted_ids, first, axis=-1) == q_ids) & (q_ids > 0)
+  if is_causal:
+    sees &= jnp.take_along_axis(order, first, axis=-1) <= jnp.arange(q_ids.shape[-1])
+  return sees
+
