@@ -8,9 +8,10 @@ writes goes through `write_text`, so no reader ever sees half of one.
 
 from collections.abc import Mapping
 import json
-import os
 import pathlib
 from typing import Any
+
+from lowrank_attn import runs
 
 RESULTS_FILE = 'results.json'
 DONE_FILE = 'DONE'
@@ -51,12 +52,7 @@ def write_json(path: pathlib.Path, data: Any) -> None:
 
 def write_text(path: pathlib.Path, text: str) -> None:
   """Whole or not at all: a reader (or a kill) never sees a half-written file."""
-  tmp = path.with_name(f'.{path.name}.{os.getpid()}.tmp')
-  with open(tmp, 'w') as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  runs.write_atomic(path, text)
 
 
 def dumps(value: Any, indent: int = 0, width: int = 100) -> str:

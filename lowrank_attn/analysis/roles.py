@@ -219,7 +219,7 @@ def head_roles(model: nnx.Module, tokenizer, sentences: Sequence[Sentence],
     'uniform', 'sentences'}}, 'sentences': used,
     'skipped': {'unaligned': sentences, 'too_long': sentences over the model's positions}}.
   """
-  heads = {a.num_heads for a in pruning.attention_layers(model)['encoder']}
+  heads = {a.num_heads for a in model.attention_layers()['encoder']}
   if len(heads) != 1 or 0 in heads:
     raise ValueError(f'head_roles needs the same number of heads in every encoder layer, got '
                      f'{pruning.head_counts(model)["encoder"]}.')

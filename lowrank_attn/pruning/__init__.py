@@ -13,7 +13,6 @@ model's attention layers by type: `model.attention_layers()` (with paths:
 
 from lowrank_attn.pruning.heads import (
     Keep,
-    attention_layers,
     check_keep,
     head_counts,
     keep_from_gates,

@@ -29,11 +29,6 @@ from lowrank_attn import models
 Keep = Mapping[str, Any]
 
 
-def attention_layers(model: nnx.Module) -> dict[str, list[nnx.Module]]:
-  """Deprecated: `model.attention_layers()`."""
-  return model.attention_layers()
-
-
 def head_counts(model: nnx.Module) -> dict[str, tuple[int, ...]]:
   """{attention type: heads of each layer}."""
   return {t: tuple(a.num_heads for a in layers)

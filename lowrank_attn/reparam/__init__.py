@@ -16,6 +16,5 @@
 from lowrank_attn.reparam.convert import concat_to_collaborative, per_head_svd
 from lowrank_attn.reparam.cp import CollaborativeFactors, collaborative_factors
 from lowrank_attn.reparam.models import (
-    Converted, attention_layers, model_attention_types, to_collaborative, to_low_rank_concat)
-from lowrank_attn.reparam.runs import (
-    training_overrides, with_overrides, write_model_run, write_run)
+    Converted, model_attention_types, to_collaborative, to_low_rank_concat)
+from lowrank_attn.reparam.runs import write_run

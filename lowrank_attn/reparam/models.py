@@ -81,13 +81,6 @@ def model_attention_types(model: nnx.Module) -> tuple[str, ...]:
   return tuple(t for t in models.ATTENTION_TYPES if t in present)
 
 
-def attention_layers(model: nnx.Module, attention_type: str) -> list[tuple[str, nnx.Module]]:
-  """Deprecated: `model.attention_layers()[attention_type]`; with paths,
-  `model.attention_sites()`. `(path, layer)` of every attention layer of a type."""
-  return [(_path(site), site.layer) for site in model.attention_sites()
-          if site.attention_type == attention_type]
-
-
 # ------------------------------------------------------------------------------ internals
 
 LayerConversion = Callable[[dict, AttentionSpec], tuple[dict, AttentionSpec, float]]

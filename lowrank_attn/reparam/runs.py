@@ -20,15 +20,8 @@ import ml_collections
 from lowrank_attn import runs
 from lowrank_attn.reparam.models import Converted
 # Re-exported by `lowrank_attn.reparam` (their home is `lowrank_attn.runs`).
-from lowrank_attn.runs import training_overrides, with_overrides  # pylint: disable=unused-import
 
 CONVERSION_FILE = 'conversion.json'
-
-
-def write_model_run(model, workdir: str | os.PathLike,
-                    config: ml_collections.ConfigDict) -> dict[str, Any]:
-  """Deprecated: `lowrank_attn.runs.RunDir(workdir).write_model(model, config)`."""
-  return runs.RunDir(workdir).write_model(model, config)
 
 
 def write_run(converted: Converted, workdir: str | os.PathLike,

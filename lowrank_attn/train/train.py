@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 
 from lowrank_attn import data as data_lib
-from lowrank_attn import sharding, tasks as tasks_lib
+from lowrank_attn import runs, sharding, tasks as tasks_lib
 from lowrank_attn.train import checkpoints, config as config_lib, metrics as metrics_lib
 from lowrank_attn.train import state as state_lib
 
@@ -348,7 +348,4 @@ def _write_final(workdir: str, step: int, name: str, text: str) -> None:
     return
   directory = os.path.join(workdir, FINAL_EVAL_DIR, str(step))
   os.makedirs(directory, exist_ok=True)
-  path = os.path.join(directory, name)
-  with open(path + '.tmp', 'w', encoding='utf-8') as f:
-    f.write(text)
-  os.replace(path + '.tmp', path)
+  runs.write_atomic(os.path.join(directory, name), text)

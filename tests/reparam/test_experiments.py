@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from experiments.collaborative import from_scratch, reparametrize_minilm
-from lowrank_attn.reparam import with_overrides
+from lowrank_attn.runs import with_overrides
 from lowrank_attn.train import config as config_lib, state as state_lib
 
 

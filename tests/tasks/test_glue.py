@@ -12,6 +12,7 @@ import pytest
 import scipy.stats
 import tokenizers as hf_tokenizers
 
+from experiments.glue import zero_shot
 from lowrank_attn import data, tasks
 from lowrank_attn.data.builders import glue as glue_data
 from lowrank_attn.models import bert
@@ -134,32 +135,13 @@ def test_the_classifier_holds_the_encoder_of_bert_without_the_mlm_head(minilm_di
                                'head_norm/bias', 'output_bias'}
 
 
-def test_minilm_zero_shot_stsb_matches_its_published_score(minilm_dir, tfds_dir):
+def test_minilm_zero_shot_stsb_matches_its_published_score(tfds_dir):
   """all-MiniLM-L6-v2's mean-pooled cosine similarity on STS-B dev has a Spearman of about
   86.7 (its model card's STS-B figure; ../shared/data/README.md). Read through our builder,
   tokenizer and BERT port; a wrong pooling, vocabulary or weight gives points less."""
-  model = bert.load_pretrained(minilm_dir)
-  pooling = bert.sentence_pooling(minilm_dir)
-  tokenizer = data.WordPieceTokenizer(minilm_dir / 'vocab.txt')
-  source = data.load_data_source('glue/stsb', 'validation', tfds_data_dir=tfds_dir)
-  examples = [source[i] for i in range(len(source))]
-  graphdef, params = nnx.split(model)  # weights as arguments, not constants to fold
-  embed_fn = jax.jit(lambda p, x: bert.sentence_embeddings(nnx.merge(graphdef, p), x, pooling))
-
-  def embed(texts, length=128):
-    rows = np.zeros((len(texts), length), np.int32)
-    for i, text in enumerate(texts):
-      ids = [tokenizer.bos_id, *tokenizer.encode(text)[: length - 2], tokenizer.eos_id]
-      rows[i, : len(ids)] = ids
-    return np.concatenate([np.asarray(embed_fn(params, rows[i : i + 500]))
-                           for i in range(0, len(rows), 500)])
-
-  a = embed([e['sentence1'].decode() for e in examples])
-  b = embed([e['sentence2'].decode() for e in examples])
-  cosine = np.sum(a * b, -1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
-  labels = np.array([e['label'] for e in examples])
-  spearman = glue.glue_metrics('stsb', cosine, labels)['spearman']
-  assert spearman == pytest.approx(86.7, abs=0.5)
+  result = zero_shot.stsb_zero_shot(tfds_dir)
+  assert result['examples'] == COUNTS['stsb'][1]
+  assert result['spearman'] == pytest.approx(86.7, abs=0.5)
 
 
 def test_fine_tuning_runs_through_the_loop_and_reports_the_glue_metrics(tmp_path):
