@@ -88,7 +88,9 @@ class RowFormat:
     return len(examples)
 
 
-def concat_rows(num_tokens: int, max_length: int) -> int:
-  """Rows of concat-then-split packing: every row full but the last."""
-  return math.ceil(num_tokens / max_length)
+def concat_rows(examples, encode, key: str, max_length: int) -> int:
+  """Rows that concat-then-split packing makes of `examples` (every row full but the last),
+  counting the tokens of `encode(example)[key]`."""
+  tokens = sum(len(encode(examples[i])[key]) for i in range(len(examples)))
+  return math.ceil(tokens / max_length)
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from lowrank_attn import models
 from lowrank_attn.data import ArraySpec, RowFormat, transforms
+from lowrank_attn.data import format as format_lib
 from lowrank_attn.tasks import base
 
 
@@ -63,8 +64,7 @@ class LMFormat(RowFormat):
   def num_rows(self, examples, encode, config):
     if not config.packing:
       return len(examples)
-    tokens = sum(len(encode(examples[i])['inputs']) for i in range(len(examples)))
-    return -(-tokens // config.max_length)
+    return format_lib.concat_rows(examples, encode, 'inputs', config.max_length)
 
 
 TASK = base.Task(

@@ -11,6 +11,7 @@ import numpy as np
 
 from lowrank_attn import models
 from lowrank_attn.data import ArraySpec, RowFormat, transforms
+from lowrank_attn.data import format as format_lib
 from lowrank_attn.tasks import base
 
 
@@ -61,8 +62,7 @@ class MLMFormat(RowFormat):
   def num_rows(self, examples, encode, config):
     if not config.packing:
       return len(examples)
-    tokens = sum(len(encode(examples[i])['tokens']) for i in range(len(examples)))
-    return -(-tokens // config.max_length)
+    return format_lib.concat_rows(examples, encode, 'tokens', config.max_length)
 
 
 TASK = base.Task(

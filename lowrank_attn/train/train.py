@@ -17,7 +17,6 @@ from typing import Any
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 

@@ -65,3 +65,13 @@ def test_a_translation_config_with_one_language_is_refused():
   config.data.target_lang = config.data.source_lang
   with pytest.raises(ValueError, match=r"config.data: source_lang and target_lang are both"):
     config_lib.validate(config)
+
+
+@pytest.mark.parametrize('task', ['lm', 'mlm'])
+def test_packed_evaluation_announces_the_batches_it_yields(task, tmp_path):
+  """`num_batches` (the format's `num_rows`: concat-then-split rows) is what a pass yields;
+  every process relies on it to stop together."""
+  pipeline = tasks.make_pipeline(
+      {'name': 'tiny_shakespeare', 'task': task, 'tokenizer': 'char', 'max_length': 64},
+      split='validation', seed=0, global_batch_size=8, train=False, workdir=tmp_path)
+  assert pipeline.num_batches == sum(1 for _ in pipeline) > 1

@@ -46,6 +46,12 @@ class GlueTask:
   label_names: tuple[str, ...] = ()  # text labels in class order; () : numbers in the file
   num_classes: int = 2  # 1: regression (STS-B)
   sha256: tuple[str, str] = ('', '')  # train.tsv, dev.tsv
+  public_archive: bool = True  # GLUE's <folder>.zip exists (not for MRPC)
+
+  @property
+  def source(self) -> str:
+    """Where the files come from for a user without a local copy."""
+    return _ZIP_URL.format(folder=self.folder) if self.public_archive else _MRPC_SOURCE
 
 
 TASKS = {
@@ -55,7 +61,7 @@ TASKS = {
     'sst2': GlueTask('SST-2', True, (0,), 1, sha256=(
         '48eac26399f8456935f81dd9e3a745c1430adb6c62e233ccfe22db4a0d15d1d1',
         '54a9c12c77e402fc14d6a66a506f24d999f596b0176eb777c972cccc2f9cc4b0')),
-    'mrpc': GlueTask('MRPC', True, (3, 4), 0, sha256=(
+    'mrpc': GlueTask('MRPC', True, (3, 4), 0, public_archive=False, sha256=(
         'f178bcc72ab4c2c1c778b480912e0c8e1dba3ead150dc1d490d70682ab888c1e',
         '9e8f284788040f7c9ecde2e1b3c07237c756f926bd9ef8548ef5d34b56f69f17')),
     # HF `glue/rte` and GLUE's own code: entailment = 0.
@@ -72,8 +78,7 @@ _SPLIT_FILES = {'train': 'train', 'validation': 'dev'}
 def raw_file(task: str, split: str) -> raw_files.RawFile:
   spec = TASKS[task]
   index = list(_SPLIT_FILES).index(split)
-  url = (_ZIP_URL.format(folder=spec.folder) if task != 'mrpc' else _MRPC_SOURCE)
-  return raw_files.RawFile(f'glue/{spec.folder}/{_SPLIT_FILES[split]}.tsv', url,
+  return raw_files.RawFile(f'glue/{spec.folder}/{_SPLIT_FILES[split]}.tsv', spec.source,
                            spec.sha256[index])
 
 
@@ -128,18 +133,19 @@ class Glue(base.RawFileBuilder):
 
   def _split_generators(self, dl_manager):
     task = self.builder_config.name
+    spec = TASKS[task]
     local_dir = raw_files.resolve_local_data_dir(self._raw_data_dir)
-    if local_dir is None and task != 'mrpc':
+    if local_dir is None and spec.public_archive:
       # No local copy: GLUE's archive holds <Folder>/{train,dev}.tsv; unpack, then verify.
-      archive = pathlib.Path(dl_manager.download(_ZIP_URL.format(folder=TASKS[task].folder)))
+      archive = pathlib.Path(dl_manager.download(spec.source))
       unpacked = pathlib.Path(dl_manager.download_dir) / 'lowrank_attn' / 'glue'
       with zipfile.ZipFile(archive) as z:
         z.extractall(unpacked)
       local_dir = unpacked.parent
     elif local_dir is None:
       raise FileNotFoundError(
-          'glue/mrpc has no public archive; make its files with ' + _MRPC_SOURCE + ' and point '
-          f'data.data_dir / ${raw_files.DATA_DIR_ENV} at the folder holding glue/MRPC.')
+          f'glue/{task} has no public archive; make its files with {spec.source} and point '
+          f'data.data_dir / ${raw_files.DATA_DIR_ENV} at the folder holding glue/{spec.folder}.')
     found = {}
     for split in _SPLIT_FILES:
       file = raw_file(task, split)
@@ -150,7 +156,7 @@ class Glue(base.RawFileBuilder):
       found[split] = path
     if not found:
       raise FileNotFoundError(f'glue/{task}: no raw file under {local_dir}/glue/'
-                              f'{TASKS[task].folder}/ (train.tsv, dev.tsv).')
+                              f'{spec.folder}/ (train.tsv, dev.tsv).')
     return {split: self._generate_examples(path, task) for split, path in found.items()}
 
   def _generate_examples(self, path, task):
