@@ -282,36 +282,53 @@ class _Carry(NamedTuple):
   history: Array  # [num_checks] float64 errors, NaN where not reached
   error: Array  # float64 error at the last check
   done: Array
+  extrapolate: Array  # False once an extrapolated window came out worse (see _iterate)
 
 
 def _iterate(carry: _Carry, limit, check_every, tol, g_q, g_k, g_q64, g_k64, norm2, h,
              d) -> _Carry:
   """ALS sweeps with extrapolation up to `limit` sweeps or convergence, checked every
-  `check_every` sweeps in float64."""
+  `check_every` sweeps in float64.
 
-  def sweep(k, inner):
-    state, power, fails = inner
-    new, squared = _sweep(state, g_q, g_k, norm2, h, d)
-    # Extrapolate every linear part of the state; the Grams are recomputed.
-    jump = ((k + 1.0) ** (1.0 / power)).astype(state.x_q.dtype)
-    step = lambda old, new: old + jump * (new - old)
-    x_q, x_k, mixing, p_q, p_k = (step(o, n) for o, n in zip(state[:5], new[:5]))
-    jumped = _State(x_q, x_k, mixing, p_q, p_k, x_q.T @ p_q, x_k.T @ p_k)
-    accept = (k >= FIRST_JUMP_AT) & (_squared_error(jumped, norm2, h) < squared)
-    new = jax.tree.map(lambda a, b: jnp.where(accept, a, b), jumped, new)
-    fails = jnp.where(accept | (k < FIRST_JUMP_AT), 0, fails + 1)
-    power = jnp.where(fails >= MAX_FAILS, power + 1.0, power)
-    return new, power, jnp.where(fails >= MAX_FAILS, 0, fails)
+  An extrapolation is kept when the float32 error says it helps, but that comparison is noise
+  once the relative error is below ~3e-4 (|T|^2 - 2<T, T^> + |T^|^2 cancels to ~1e-7 |T|^2).
+  So a window can come out worse than the one before, which exact ALS sweeps never do: it is
+  then undone and the sweeps go on without extrapolation. Only a small decrease (< tol per
+  sweep), the floor, or a plain window that is worse (float32's limit) ends the iteration;
+  once an increase was read as convergence, and ALS stopped at ~5e-5 on exact-rank tensors.
+  """
 
   def window(carry):
+
+    def sweep(k, inner):
+      state, power, fails = inner
+      new, squared = _sweep(state, g_q, g_k, norm2, h, d)
+      # Extrapolate every linear part of the state; the Grams are recomputed.
+      jump = ((k + 1.0) ** (1.0 / power)).astype(state.x_q.dtype)
+      step = lambda old, new: old + jump * (new - old)
+      x_q, x_k, mixing, p_q, p_k = (step(o, n) for o, n in zip(state[:5], new[:5]))
+      jumped = _State(x_q, x_k, mixing, p_q, p_k, x_q.T @ p_q, x_k.T @ p_k)
+      accept = (carry.extrapolate & (k >= FIRST_JUMP_AT)
+                & (_squared_error(jumped, norm2, h) < squared))
+      new = jax.tree.map(lambda a, b: jnp.where(accept, a, b), jumped, new)
+      fails = jnp.where(accept | (k < FIRST_JUMP_AT), 0, fails + 1)
+      power = jnp.where(fails >= MAX_FAILS, power + 1.0, power)
+      return new, power, jnp.where(fails >= MAX_FAILS, 0, fails)
+
     count = jnp.minimum(check_every, limit - carry.sweeps)
     state, power, fails = jax.lax.fori_loop(
         carry.sweeps, carry.sweeps + count, sweep, (carry.state, carry.power, carry.fails))
     sweeps = carry.sweeps + count
     error = _relative_error64(state, g_q64, g_k64, norm2, h)
+    worse = error > carry.error
+    # A worse window is undone: the state and error stay those of the check before.
+    state = jax.tree.map(lambda old, new: jnp.where(worse, old, new), carry.state, state)
+    error = jnp.where(worse, carry.error, error)
     history = carry.history.at[(sweeps + check_every - 1) // check_every].set(error)
-    done = (carry.error - error < tol * count * carry.error) | (error < ERROR_FLOOR)
-    return _Carry(state, sweeps, power, fails, history, error, done)
+    converged = ~worse & (carry.error - error < tol * count * carry.error)
+    done = converged | (error < ERROR_FLOOR) | (worse & ~carry.extrapolate)
+    return _Carry(state, sweeps, power, fails, history, error, done,
+                  carry.extrapolate & ~worse)
 
   return jax.lax.while_loop(lambda c: (c.sweeps < limit) & ~c.done, window, carry)
 
@@ -339,7 +356,7 @@ def _decompose(wq, wk, key, tol, *, rank, num_iterations, num_starts, check_ever
     error = _relative_error64(state, g_q64, g_k64, norm2, h)
     history = jnp.full((num_checks,), jnp.nan, jnp.float64).at[0].set(error)
     return _Carry(state, jnp.int32(0), jnp.float64(2.0), jnp.int32(0), history, error,
-                  error < ERROR_FLOOR)
+                  error < ERROR_FLOOR, jnp.bool_(True))
 
   run = functools.partial(_iterate, check_every=check_every, tol=tol, g_q=g_q, g_k=g_k,
                           g_q64=g_q64, g_k64=g_k64, norm2=norm2, h=h, d=d)

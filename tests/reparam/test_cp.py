@@ -31,9 +31,15 @@ def kernels_with_cp_structure(d_q, d_k, heads, head_dim, rank, seed=0):
   return query.astype(np.float32), key.astype(np.float32)
 
 
-def test_recovers_a_tensor_of_known_cp_rank():
+@pytest.mark.parametrize('seed', range(12))
+def test_recovers_a_tensor_of_known_cp_rank(seed):
+  """On an exactly rank-5 tensor ALS reaches the float32 floor (ERROR_FLOOR 1e-6; bound 10x
+  that) from every seed of its random starts. Seeds stand in for other CPUs' rounding, which
+  picks other starts and extrapolations: seeds 6 and 9 (and an AMD EPYC with seed 0) stopped
+  at 2e-5 to 2e-4 when a window made worse by a float32-noise extrapolation read as
+  convergence."""
   query, key = kernels_with_cp_structure(12, 9, heads=4, head_dim=6, rank=5)  # cross attention
-  result = collaborative_factors(query, key, 5)
+  result = collaborative_factors(query, key, 5, seed=seed)
   assert result.query_kernel.shape == (12, 5) and result.key_kernel.shape == (9, 5)
   assert result.mixing.shape == (4, 5)
   approximation = cp_tensor(result.query_kernel, result.mixing, result.key_kernel)
