@@ -23,9 +23,11 @@ from lowrank_attn.train import state as state_lib
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def stsb_zero_shot(tfds_data_dir, length: int = 128) -> dict[str, float]:
+def stsb_zero_shot(tfds_data_dir, model=None, length: int = 128) -> dict[str, float]:
+  """Spearman and Pearson (x100) of `model`'s pooled cosine similarity on STS-B dev (default
+  model: the installed all-MiniLM-L6-v2; any BERT-architecture model with its pooling)."""
   model_dir = state_lib.pretrained_dir('all-MiniLM-L6-v2')
-  model = bert.load_pretrained(model_dir)
+  model = model or bert.load_pretrained(model_dir)
   pooling = bert.sentence_pooling(model_dir)
   tokenizer = data.WordPieceTokenizer(model_dir / 'vocab.txt')
   source = data.load_data_source('glue/stsb', 'validation', tfds_data_dir=tfds_data_dir)
