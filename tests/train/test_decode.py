@@ -167,3 +167,14 @@ def test_length_penalty_ranks_finished_hypotheses_of_different_lengths():
       assert out[b].tolist() == want, (alpha, b)
       chosen.add((b, want.index(EOS)))
   assert len(chosen) >= 5  # the grid saw several winners per sentence
+
+
+def test_bleu_is_cased_and_13a_tokenised_by_hand():
+  """Papineni et al. (2002) on one sentence: 13a splits the final '.', so 'The cat sat on
+  the mat.' is 7 tokens; against a reference differing only in the case of the first word,
+  1- to 4-gram precisions are 6/7, 5/6, 4/5, 3/4 and the brevity penalty 1."""
+  reference = 'the cat sat on the mat.'
+  scores = decode.score(['The cat sat on the mat.'], [reference])
+  np.testing.assert_allclose(scores['bleu'], 100 * (6 / 7 * 5 / 6 * 4 / 5 * 3 / 4) ** 0.25,
+                             rtol=1e-9)
+  assert decode.score([reference], [reference])['bleu'] == 100.0
