@@ -149,3 +149,54 @@ def test_write_atomic_replaces_a_file_whole(tmp_path):
   # Permissions as open() gives (the umask's), not a temporary file's 0600.
   (tmp_path / 'plain').write_text('x')
   assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE((tmp_path / 'plain').stat().st_mode)
+
+
+def test_translate_average_last_translates_with_the_mean_of_the_last_checkpoints(
+    tmp_path, monkeypatch):
+  """`translate --average_last=N [--step=S]`: the parameters handed to the translator are the
+  element-wise mean of the last N checkpoints up to S (the translator itself is stubbed)."""
+  from lowrank_attn import translate
+  from lowrank_attn.train import decode
+  vocabulary = tmp_path / 'chars.vocab'
+  vocabulary.write_bytes(CharTokenizer.train(['ein hund a dog']).to_bytes())
+  config = with_overrides(config_lib.load(f'{ROOT}/configs/nmt.py:tiny'), {
+      'model.emb_dim': 16, 'model.mlp_dim': 16, 'model.attention.num_heads': 2,
+      'model.num_encoder_layers': 1, 'model.num_decoder_layers': 1, 'data.tokenizer': 'char',
+      'data.tokenizer_path': str(vocabulary)})
+  vocab_size = CharTokenizer.train(['ein hund a dog']).vocab_size
+  run = RunDir(tmp_path / 'run')
+  os.makedirs(run.path)
+  run.write_config(config)
+  checkpointer = checkpoints.Checkpointer(run.path, keep=3, async_save=False)
+  by_step = {}
+  for step in (3, 5, 7):
+    params = random_params(config, vocab_size, seed=step)[1]
+    checkpointer.save(step, {'step': jnp.asarray(step, jnp.int32), 'params': params}, {})
+    by_step[step] = leaves(params)
+  checkpointer.close()
+  source = tmp_path / 'in.txt'
+  source.write_text('a dog\n')
+  seen = []
+
+  class Stub:
+    batch_size, timing = 1, decode.Timing()
+
+    def translate(self, texts, progress=None):
+      return decode.Translations(['ein hund'] * len(texts), [])
+
+  def translator(self, params, **kwargs):
+    seen.append(leaves(params))
+    return Stub()
+
+  monkeypatch.setattr(translate.TranslationRun, 'translator', translator)
+  for kwargs, steps in (({'average_last': 2}, (5, 7)), ({'average_last': 2, 'step': 5}, (3, 5)),
+                        ({}, (7,))):
+    translate.translate_file(run.path, input_path=str(source),
+                             output_path=str(tmp_path / 'out.txt'), **kwargs)
+    got = seen.pop()
+    assert got.keys() == by_step[7].keys()
+    for name, value in got.items():
+      # The mean of 2 float32 numbers: within 2 ulp of the float64 mean.
+      want = np.mean([by_step[s][name].astype(np.float64) for s in steps], axis=0)
+      np.testing.assert_allclose(value, want, rtol=2.5e-7, atol=1e-7,
+                                 err_msg=f'{kwargs}: {name}')

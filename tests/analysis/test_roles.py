@@ -156,3 +156,29 @@ def test_head_roles_of_a_model(sentence):
               *entry['syntactic'].values()]
     assert all(0.0 <= x <= 1.0 for x in shares)
   json.dumps(result)  # roles.json-ready
+
+
+def test_head_roles_align_words_after_the_cls_token(sentence, monkeypatch):
+  """An encoder with [CLS]: its inputs are [CLS] Do gs chase the cat [SEP]. A scripted
+  attention (every query on the piece 'cat', id 14, wherever it sits) must come out as every
+  word attending to 'cat': read one piece off, 'cat' would be [SEP] and dropped."""
+  import jax.numpy as jnp
+  from lowrank_attn.analysis import roles
+
+  def on_cat(graphdef, params, inputs):
+    on = (inputs == PIECES['cat'][0]).astype(jnp.float32)  # [batch, length]
+    weights = jnp.broadcast_to(on[:, None, :], (*inputs.shape, inputs.shape[1]))
+    return weights[:, None, None]  # [batch, layers, heads, length, length]
+
+  monkeypatch.setattr(roles, '_encoder_weights', on_cat)
+  tokenizer = type('Toy', (), {'encode': staticmethod(toy_encode), 'bos_id': 1, 'eos_id': EOS})
+  cfg = models.TransformerConfig(
+      vocab_size=16, emb_dim=8, mlp_dim=8, num_encoder_layers=1, num_decoder_layers=0,
+      encoder_attention=models.AttentionSpec(num_heads=1), max_length=16, dropout_rate=0.0)
+  result = head_roles(models.EncoderMLM(cfg, rngs=nnx.Rngs(0)), tokenizer, [sentence], COUNTS)
+  (head,) = result['heads']
+  assert head['rare'] == 1.0  # 'cat' is the rarest word
+  assert head['positional'] == {'prev': 0.0, 'next': 1 / 3}  # 'the' -> 'cat'
+  assert head['syntactic']['obj head->dep'] == 1.0  # 'chase' -> its object 'cat'
+  assert head['syntactic']['nsubj dep->head'] == 0.0
+  assert head['confidence'] == 1.0  # every real query piece puts all its weight on 'cat'

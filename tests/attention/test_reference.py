@@ -137,3 +137,70 @@ def test_gates_of_the_gated_cases_are_half_open(make_params, numpy_reference):
     _, params, *_ = make_case(name, make_params)
     gates = numpy_reference.hard_concrete_eval(params['gate_log_alpha'])
     assert np.all((gates > 0.0) & (gates < 1.0)), (name, gates)
+
+
+# ------------------------------------------------ cached decoding with a mask; segment masks
+
+SELF_CASES = {
+    'concat': dict(kind='concat', num_heads=3, in_features=12),
+    'collaborative': dict(kind='collaborative', num_heads=3, in_features=12, key_dim=7),
+    'talking_heads': dict(kind='talking_heads', num_heads=4, in_features=12),
+}
+
+
+@pytest.mark.parametrize('mask_kind', ['padding', 'boolean', 'int'])
+@pytest.mark.parametrize('name', SELF_CASES)
+def test_cached_decoding_with_a_mask_equals_the_numpy_formulas(name, mask_kind, make_params,
+                                                               numpy_reference):
+  """One position per step through the cache, with a mask over the cache's keys: a key
+  padding mask `[batch, 1, 1, max_length]`, or a per-query boolean (or 0/1 int) one sliced
+  to the step's query. The reference: the full pass with that mask AND causality."""
+  settings = SELF_CASES[name]
+  spec = A.AttentionSpec(**settings)
+  params = {k: np.asarray(v) for k, v in make_params(spec, 3).items()}
+  rng = np.random.default_rng(4)
+  x = rng.standard_normal((BATCH, Q_LEN, 12)).astype(np.float32)
+  if mask_kind == 'padding':  # row 0: keys 1 and 3 are padding (a left-padded prefix, a hole)
+    mask = np.ones((BATCH, 1, 1, Q_LEN), bool)
+    mask[0, :, :, [1, 3]] = False
+  else:
+    mask = rng.random((BATCH, 1, Q_LEN, Q_LEN)) < 0.6
+    mask[0, :, 2, :] = False  # a query that sees nothing
+  full_mask = mask & np.tril(np.ones((Q_LEN, Q_LEN), bool))
+  expected, _ = reference(numpy_reference, settings, params, x, None, full_mask)
+  step = jax.jit(lambda cache, x, mask: A.multi_head_attention(
+      params, x, spec=spec, cache=cache, mask=mask))
+  cache = A.init_cache(spec, (BATCH,), Q_LEN)
+  outs = []
+  for t in range(Q_LEN):
+    step_mask = mask if mask_kind == 'padding' else mask[:, :, t:t + 1]
+    result = step(cache, x[:, t:t + 1], step_mask.astype(np.int32) if mask_kind == 'int'
+                  else step_mask)
+    outs.append(result.out)
+    cache = result.cache
+  np.testing.assert_allclose(np.concatenate(outs, 1), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('implementation', ['xla', 'blockwise'])
+def test_segment_ids_hide_padding_keys_from_every_query(implementation, make_params,
+                                                        numpy_reference):
+  """Segment ids against a mask written by hand: a query sees the keys of its own segment,
+  and no query sees a padding key (segment 0), padding queries included (they see nothing)."""
+  settings = CASES['concat']
+  spec = A.AttentionSpec(**settings)
+  params = {k: np.asarray(v) for k, v in make_params(spec, 5).items()}
+  x = np.random.default_rng(6).standard_normal((BATCH, Q_LEN, 12)).astype(np.float32)
+  segments = np.array([[1, 1, 2, 0, 0], [0, 1, 1, 1, 0]], np.int32)
+  visible = np.zeros((BATCH, 1, Q_LEN, Q_LEN), bool)
+  for b in range(BATCH):
+    for i in range(Q_LEN):
+      for j in range(Q_LEN):
+        visible[b, 0, i, j] = segments[b, i] == segments[b, j] != 0
+  expected, _ = reference(numpy_reference, settings, params, x, None, visible)
+  out = jax.jit(lambda p, x, s: A.multi_head_attention(
+      p, x, spec=spec, segment_ids=(s, s), implementation=implementation, block_size=2))(
+          params, x, segments).out
+  np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+  # A padding query outputs the output bias alone.
+  np.testing.assert_allclose(np.asarray(out)[segments == 0],
+                             np.broadcast_to(params['out_bias'], (4, 12)), atol=1e-6)

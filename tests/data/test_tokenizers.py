@@ -118,3 +118,27 @@ def test_an_interrupted_tokenizer_write_leaves_no_file_behind(tmp_path, monkeypa
   # So the next run trains again instead of loading half a file.
   assert tokenizers.load_or_train('char', cache_path=cache, training_texts=['abc']).chars == 'abc'
   assert tokenizers.CharTokenizer.from_bytes(cache.read_bytes()).chars == 'abc'
+
+
+def test_sentencepiece_first_regular_id_follows_the_reserved_and_byte_pieces():
+  """Read from the trained model's pieces, not from our constants: every id below
+  `first_regular_id` is a control, unknown, [MASK] or byte piece, every id from it on a
+  piece of text (what masked-LM corruption may draw)."""
+  import re
+  import numpy as np
+  rng = np.random.default_rng(0)
+  words = [''.join(rng.choice(list('abcdefghij'), rng.integers(2, 7))) for _ in range(60)]
+  texts = [' '.join(rng.choice(words, 12)) for _ in range(400)]
+  tokenizer = tokenizers.SentencePieceTokenizer.train(texts, vocab_size=320, model_type='bpe')
+  processor = tokenizer._processor
+  byte = re.compile(r'<0x[0-9A-F]{2}>')
+  special = [processor.is_control(i) or processor.is_unknown(i)
+             or processor.id_to_piece(i) == tokenizers.MASK_TOKEN
+             or (processor.is_byte(i) and byte.fullmatch(processor.id_to_piece(i)))
+             for i in range(tokenizer.vocab_size)]
+  first = special.index(False)
+  assert not any(special[first:])  # the specials come first, all of them
+  assert sum(bool(processor.is_byte(i)) for i in range(first)) == 256
+  assert tokenizer.first_regular_id == first
+  # And text encodes into regular pieces only.
+  assert min(tokenizer.encode(texts[0])) >= first

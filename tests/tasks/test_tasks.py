@@ -4,6 +4,7 @@ on a task's name, so a task is one module, one builder and one config."""
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 from lowrank_attn import tasks
@@ -75,3 +76,52 @@ def test_packed_evaluation_announces_the_batches_it_yields(task, tmp_path):
       {'name': 'tiny_shakespeare', 'task': task, 'tokenizer': 'char', 'max_length': 64},
       split='validation', seed=0, global_batch_size=8, train=False, workdir=tmp_path)
   assert pipeline.num_batches == sum(1 for _ in pipeline) > 1
+
+
+# ------------------------------------------------------------- unpacked rows, written by hand
+
+
+def _unpacked_rows(task, documents, max_length):
+  """The rows of `task`'s format for `documents`, one document per row (no packing)."""
+  import grain
+  from lowrank_attn import data
+  from lowrank_attn.data import CharTokenizer
+  tokenizer = CharTokenizer.train(['abcdefgh'])
+  config = data.as_data_config(data.default_data_config(
+      task=task, packing=False, max_length=max_length))
+  fmt = tasks.get(task).data_format
+  encode = fmt.encoder(tokenizer, ('text',), config, truncate=True)
+  ds = grain.MapDataset.source([{'text': d.encode()} for d in documents]).map(encode)
+  rows = fmt.rows(ds, config, batch_size=1, train=True)
+  return tokenizer, [rows[i] for i in range(len(documents))]
+
+
+def test_unpacked_lm_rows_are_bos_text_and_text_eos_from_position_0():
+  tok, (short, long) = _unpacked_rows('lm', ['abc', 'abcdefgh'], 6)
+  a, b, c, d, e, f = tok.encode('abcdef')
+  bos, eos = tok.bos_id, tok.eos_id
+  want_short = {'inputs': [bos, a, b, c, 0, 0], 'targets': [a, b, c, eos, 0, 0],
+                'weights': [1, 1, 1, 1, 0, 0], 'segment_ids': [1, 1, 1, 1, 0, 0],
+                'positions': [0, 1, 2, 3, 0, 0]}
+  # Cut to max_length: the first 6 next-token pairs, no EOS.
+  want_long = {'inputs': [bos, a, b, c, d, e], 'targets': [a, b, c, d, e, f],
+               'weights': [1] * 6, 'segment_ids': [1] * 6, 'positions': [0, 1, 2, 3, 4, 5]}
+  for row, want in ((short, want_short), (long, want_long)):
+    assert set(row) == set(want)
+    for key, value in want.items():
+      np.testing.assert_array_equal(row[key], value, err_msg=key)
+
+
+def test_unpacked_mlm_rows_are_cls_text_sep_from_position_0():
+  tok, (short, long) = _unpacked_rows('mlm', ['abc', 'abcdefgh'], 6)
+  a, b, c, d = tok.encode('abcd')
+  bos, eos = tok.bos_id, tok.eos_id
+  want_short = {'tokens': [bos, a, b, c, eos, 0], 'segment_ids': [1, 1, 1, 1, 1, 0],
+                'positions': [0, 1, 2, 3, 4, 0]}
+  # Cut so that [CLS] text [SEP] fits: 4 text tokens.
+  want_long = {'tokens': [bos, a, b, c, d, eos], 'segment_ids': [1] * 6,
+               'positions': [0, 1, 2, 3, 4, 5]}
+  for row, want in ((short, want_short), (long, want_long)):
+    assert set(row) == set(want)
+    for key, value in want.items():
+      np.testing.assert_array_equal(row[key], value, err_msg=key)

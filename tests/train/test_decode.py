@@ -109,3 +109,72 @@ def test_cached_beam_search_equals_recomputed_beam_search(model_state):
 
 def test_strip_stops_at_eos():
   assert decode.strip([5, 6, 0, 7, EOS, 9], EOS) == [5, 6, 7]
+
+
+# ------------------------------------------- the length penalty, on a scripted step function
+
+# Vocabulary: 0 pad, 1 BOS, 2 EOS, 3 'a'. A scripted model whose next-token distribution
+# depends only on the sentence and the position: EOS after j tokens 'a' with probability
+# STOP[b, j]. The finished hypotheses are 'a'^j EOS (length j + 1), log p = sum_{t<j}
+# log(1 - STOP[b, t]) + log STOP[b, j]; the search returns the one of best
+# log p / ((5 + length) / 6) ** alpha (Wu et al. 2016, eq. 14).
+
+
+def _stop_table(finished, length=6):
+  """STOP of one sentence whose hypothesis 'a'^j EOS has log p `finished[j]` (other
+  positions stop with probability 1e-4)."""
+  stop, survived = np.full(length, 1e-4), 0.0
+  for j in range(length):
+    if j in finished:
+      stop[j] = np.exp(finished[j] - survived)
+    survived += np.log1p(-stop[j])
+  return stop
+
+
+# Sentence 0: lengths 1, 3, 6 win in turn as alpha grows (at 0.78 and 0.97); sentence 1:
+# lengths 2 then 5 (at 1.03).
+STOP = np.stack([_stop_table({0: -1.0, 2: -1.25, 5: -1.7}), _stop_table({1: -0.9, 4: -1.3})])
+
+
+def _scripted_step(cache, tokens, position):
+  """`decode._search`'s step: log-probabilities `[n, 4]` of sentence `cache['row']`."""
+  stop = jnp.asarray(STOP, jnp.float32)[cache['row'], position]
+  neg = jnp.full_like(stop, -jnp.inf)
+  return jnp.stack([neg, neg, jnp.log(stop), jnp.log1p(-stop)], axis=-1), cache
+
+
+def _best_finished(b, alpha):
+  """The search's answer by enumeration (float64): 'a'^j EOS of the best score."""
+  scores = []
+  for j in range(STOP.shape[1]):
+    logp = np.sum(np.log1p(-STOP[b, :j])) + np.log(STOP[b, j])
+    scores.append(logp / ((5.0 + j + 1) / 6.0) ** alpha)
+  j = int(np.argmax(scores))
+  return [3] * j + [EOS] + [0] * (STOP.shape[1] - j - 1)
+
+
+def test_length_penalty_ranks_finished_hypotheses_of_different_lengths():
+  k, length = 2, STOP.shape[1]
+  search = jax.jit(lambda alpha: decode._beam_search(
+      _scripted_step, {'row': jnp.arange(2 * k) // k}, 2, k, BOS, EOS, length, alpha))
+  chosen = set()
+  # Between alpha 0 (short wins) and 2 (long wins) the winner changes at alphas that move
+  # with any change to the penalty's form or to what counts as a hypothesis' length.
+  for alpha in np.linspace(0.0, 2.0, 41):
+    out = np.asarray(search(jnp.float32(alpha)))
+    for b in range(2):
+      want = _best_finished(b, alpha)
+      assert out[b].tolist() == want, (alpha, b)
+      chosen.add((b, want.index(EOS)))
+  assert len(chosen) >= 5  # the grid saw several winners per sentence
+
+
+def test_bleu_is_cased_and_13a_tokenised_by_hand():
+  """Papineni et al. (2002) on one sentence: 13a splits the final '.', so 'The cat sat on
+  the mat.' is 7 tokens; against a reference differing only in the case of the first word,
+  1- to 4-gram precisions are 6/7, 5/6, 4/5, 3/4 and the brevity penalty 1."""
+  reference = 'the cat sat on the mat.'
+  scores = decode.score(['The cat sat on the mat.'], [reference])
+  np.testing.assert_allclose(scores['bleu'], 100 * (6 / 7 * 5 / 6 * 4 / 5 * 3 / 4) ** 0.25,
+                             rtol=1e-9)
+  np.testing.assert_allclose(decode.score([reference], [reference])['bleu'], 100.0, rtol=1e-12)
