@@ -281,8 +281,10 @@ def test_adamw_matches_numpy_and_spares_the_bias():
   params = {'query_kernel': rng.normal(size=(4, 2, 3)).astype(np.float32),
             'query_bias': rng.normal(size=(2, 3)).astype(np.float32)}
   decayed = {'query_kernel': True, 'query_bias': False}
-  grads = [{k: rng.normal(size=p.shape).astype(np.float32) for k, p in params.items()}
-           for _ in range(3)]
+  # Global norms ~0.2, ~4 and ~0.4 around the clip norm 1: clipped on one step only (a clip
+  # applied on every step, or at another norm, rescales every step alike, which Adam cancels).
+  grads = [{k: (f * rng.normal(size=p.shape)).astype(np.float32) for k, p in params.items()}
+           for f in (0.05, 1.0, 0.1)]
   hyper = dict(b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1)
   schedule = optim.learning_rate_schedule(learning_rate=0.05, warmup_steps=2,
                                           num_train_steps=3, decay='linear')
