@@ -13,10 +13,12 @@ slice, per-epoch shuffle, tokenization, length filter) turned into an `IterDatas
 padding, batching, optional worker processes). Its position is grain's iterator state plus
 the number of batches served, which also seeds masked-LM corruption. Formats that pack whole
 examples by first fit (`RowFormat.first_fit_packing`: nmt training) skip grain: the split is
-encoded once (cached in `<workdir>/encoded/`) and `packing.PackedDataset` packs each epoch's
-shuffled examples on their lengths and gathers rows by index (~100x faster; no workers). The per-example steps
-come from the task's `RowFormat` (`format.py`; each task module in `lowrank_attn.tasks` owns
-one) built from the steps in `transforms.py`; the fields of the data config are in `config.py`.
+encoded once (cached in `<workdir>/encoded/`), and `packing.PackedDataset` packs each epoch's
+shuffled examples on their lengths and gathers rows by index, with no per-example Python work
+(`benchmarks/input_pipeline.py` measures both); its position is (epoch, window, row). The
+per-example steps come from the task's `RowFormat` (`format.py`; each task module in
+`lowrank_attn.tasks` owns one) built from the steps in `transforms.py`; the fields of the data
+config are in `config.py`.
 `lowrank_attn.tasks.make_pipeline(config.data, ...)` picks the format by `data.task`.
 """
 
@@ -407,7 +409,7 @@ class Pipeline:
     self.close()
     self._step, self._exhausted = 0, False
 
-  def _grain_iterator(self):
+  def _current_iterator(self):
     if self._iterator is None:
       self._iterator = iter(self._dataset)
     return self._iterator
@@ -419,7 +421,7 @@ class Pipeline:
       self._exhausted = True
       raise StopIteration
     try:
-      batch = next(self._grain_iterator())
+      batch = next(self._current_iterator())
     except StopIteration:
       if self.train or self.process_count == 1 or self._step >= self.num_batches:
         self._exhausted = True
@@ -516,7 +518,7 @@ class Pipeline:
         **self._identity(),
         'step': self._step,
         'exhausted': self._exhausted,
-        self._iterator_kind: _to_json(self._grain_iterator().get_state()),
+        self._iterator_kind: _to_json(self._current_iterator().get_state()),
     }
 
   @property
@@ -545,7 +547,7 @@ class Pipeline:
           f"{sorted(k for k in ('grain', 'first_fit') if k in state)}): it was saved by a "
           'pipeline that made its rows another way (before first-fit packing moved out of '
           'grain, say), so the data order would not continue.')
-    self._grain_iterator().set_state(_from_json(state[self._iterator_kind]))
+    self._current_iterator().set_state(_from_json(state[self._iterator_kind]))
     self._step = int(state['step'])
     self._exhausted = bool(state['exhausted'])
 

@@ -2,9 +2,10 @@
 
 Batch keys, all `[batch, max_length]` (weights float32, the rest int32): inputs (source +
 [eos]), targets (target + [eos]), weights (1 on real target tokens). Training rows with
-data.packing hold several pairs (first fit by the pipeline, `data.FirstFitPacking`) and add inputs_segment_ids,
-inputs_positions, targets_segment_ids, targets_positions; evaluation keeps one pair per row
-(beam search decodes one sentence per row) and cuts sides to max_length instead of dropping.
+data.packing hold several pairs (first fit, by the pipeline: `data.FirstFitPacking`) and add
+inputs_segment_ids, inputs_positions, targets_segment_ids, targets_positions; evaluation keeps
+one pair per row (beam search decodes one sentence per row) and cuts sides to max_length
+instead of dropping.
 
 Evaluation adds BLEU: during training on `decode.num_examples` sentences of the eval split
 (detokenized ids against detokenized references), at the end on whole splits against the raw

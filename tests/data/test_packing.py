@@ -55,8 +55,9 @@ def test_first_fit_matches_a_plain_reference(num_examples, num_keys, max_length,
   np.testing.assert_array_equal(offsets, np.asarray(expected_offsets))
   # No row overflows; every sequence starts where the previous one of its row ended.
   for members in expected_rows:
-    np.testing.assert_array_equal(offsets[members], np.cumsum(lengths[members], 0) - lengths[members])
-    assert (lengths[members].sum(0) <= max_length).all()
+    placed = lengths[members]
+    np.testing.assert_array_equal(offsets[members], np.cumsum(placed, 0) - placed)
+    assert (placed.sum(0) <= max_length).all()
 
 
 def test_first_fit_refuses_sequences_longer_than_a_row():
