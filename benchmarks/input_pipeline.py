@@ -209,7 +209,13 @@ def main(argv):
     print(*new_lines, sep='\n', flush=True)
     lines.extend(new_lines)
 
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  usable = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else []
+  cores = len(usable) or os.cpu_count()
+  # How it was run, as far as this process can see: the data directory and the CPU pinning.
+  prefix = [f'{data.DATA_DIR_ENV}={os.environ[data.DATA_DIR_ENV]}'] if (
+      data.DATA_DIR_ENV in os.environ) else []
+  if usable and len(usable) < os.cpu_count():
+    prefix.append(f'taskset -c {",".join(map(str, usable))}')
   say(
       f'Multi30k en→de training pipeline of one process: SentencePiece {_VOCAB.value}, global '
       f'batch {_BATCH.value}, max_length {_MAX_LENGTH.value}, {_BATCHES.value} batches timed '
@@ -218,7 +224,7 @@ def main(argv):
       f'({cores} usable by this process), load average '
       f'{", ".join(f"{x:.1f}" for x in os.getloadavg())} at the start; '
       f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.',
-      'Command: ' + ' '.join([os.path.basename(sys.executable), *sys.argv]),
+      'Command: ' + ' '.join([*prefix, os.path.basename(sys.executable), *sys.argv]),
       '',
   )
   start = time.perf_counter()

@@ -49,7 +49,7 @@ class Encoded:
     self._lengths = {k: np.diff(v) for k, v in starts.items()}
 
   def __len__(self) -> int:
-    return len(next(iter(self.starts.values()))) - 1
+    return len(next(iter(self.starts.values()))) - 1 if self.starts else 0  # no keys: empty
 
   def lengths(self, key: str) -> np.ndarray:
     return self._lengths[key]
@@ -90,7 +90,8 @@ class Encoded:
 
 def fingerprint(encoder, num_examples: int) -> str:
   """What the encoding depends on (the encoder's pickled state, tokenizer included, and the
-  split's size): a cache file named by it is never read for another encoding."""
+  split's size): a cache file named by it is never read for another encoding. (A WordPiece
+  tokenizer pickles as the path of its vocabulary: a file edited in place is not noticed.)"""
   return hashlib.sha256(pickle.dumps((encoder, num_examples), protocol=4)).hexdigest()[:16]
 
 
