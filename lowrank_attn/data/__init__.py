@@ -10,7 +10,8 @@ The only package that imports tensorflow_datasets and grain.
 Layout: `config.py` (the `DataConfig` schema), `datasets.py` (data sets by name, local text
 files), `builders/` (our TFDS builders), `raw_files.py` (where raw files come from, their
 checksums), `tokenizers.py`, `transforms.py` (per-example steps), `format.py` (`RowFormat`: the
-steps a task chooses), `pipeline.py` (`Pipeline`).
+steps a task chooses), `packing.py` (packed training rows from examples encoded once),
+`pipeline.py` (`Pipeline`).
 """
 
 from lowrank_attn.data.config import (
@@ -27,7 +28,7 @@ from lowrank_attn.data.datasets import (
     load_data_source,
     load_text_files,
 )
-from lowrank_attn.data.format import ArraySpec, RowFormat
+from lowrank_attn.data.format import ArraySpec, FirstFitPacking, RowFormat
 from lowrank_attn.data.pipeline import Pipeline, load_tokenizer, make_pipeline
 from lowrank_attn.data.raw_files import DATA_DIR_ENV, MissingSplitWarning
 from lowrank_attn.data.tokenizers import (
@@ -44,6 +45,7 @@ __all__ = [
     'DATASETS',
     'DATA_DIR_ENV',
     'DataConfig',
+    'FirstFitPacking',
     'MissingSplitWarning',
     'OFFICIAL_DATASETS',
     'Pipeline',

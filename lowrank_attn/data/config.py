@@ -39,7 +39,8 @@ class DataConfig:
   target_lang: str = 'de'  # nmt target feature
   packing: bool = True  # several documents (lm/mlm) or pairs (nmt training) per row
   mlm_probability: float = 0.15  # share of tokens chosen for masked-LM corruption
-  num_workers: int = 0  # grain worker processes for training (0: in-process); fixed on resume
+  num_workers: int = 0  # grain workers in training (0: in-process), fixed on resume; unused by
+  # first-fit packing (`RowFormat.first_fit_packing`), which runs in-process
   extra_test_files: str = ''  # more test sets: 'a.en:a.de,b.en:b.de' (nmt) or 'a.txt,b.txt'
 
   def __post_init__(self):

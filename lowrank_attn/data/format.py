@@ -10,6 +10,8 @@ processes pickle them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -22,6 +24,22 @@ from lowrank_attn.data.config import DataConfig
 class ArraySpec(NamedTuple):
   shape: tuple[int, ...]
   dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstFitPacking:
+  """Training rows the pipeline packs itself (`packing.py`): the split encoded once, each
+  epoch's examples placed by first fit on their lengths, rows gathered by index.
+
+  Attributes:
+    keys: the encoded sequences of an example; each fills its own row array, and all of them
+      get the example's segment id (segment k of one key belongs to segment k of the others).
+    finish: a batch of packed rows (`key`, `key_segment_ids`, `key_positions` per key, int32
+      [rows, max_length]) -> the keys of `row_spec`. Elementwise over rows; picklable.
+  """
+
+  keys: tuple[str, ...]
+  finish: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
 class RowFormat:
@@ -62,9 +80,14 @@ class RowFormat:
     """Whether rows hold several examples."""
     return False
 
+  def first_fit_packing(self, config: DataConfig, *, train: bool) -> FirstFitPacking | None:
+    """How the pipeline packs rows of several whole examples itself; None: `rows` makes them."""
+    return None
+
   def rows(self, ds: grain.IterDataset, config: DataConfig, *, batch_size: int,
            train: bool) -> grain.IterDataset:
-    """Encoded examples -> fixed-length rows with the keys of `row_spec`."""
+    """Encoded examples -> fixed-length rows with the keys of `row_spec` (unless
+    `first_fit_packing` gives the rows)."""
     raise NotImplementedError
 
   def row_spec(self, config: DataConfig, *, train: bool) -> dict[str, ArraySpec]:

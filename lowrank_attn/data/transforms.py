@@ -5,7 +5,7 @@ arrays; the pad id is 0 for every tokenizer. Segment ids number the examples of 
 (0 = padding); positions restart at 0 in every segment.
 """
 
-from grain.experimental import ConcatThenSplitIterDataset, FirstFitPackIterDataset
+from grain.experimental import ConcatThenSplitIterDataset
 import numpy as np
 
 
@@ -61,16 +61,6 @@ def concat_then_split(it, lengths: dict[str, int], length_key: str):
   positions (of `length_key`)."""
   it = ConcatThenSplitIterDataset(it, length_struct=lengths)
   return it.map(RenamePacked(tuple(lengths), length_key))
-
-
-def first_fit_pack(it, lengths: dict[str, int], num_rows: int):
-  """First fit (Flax's WMT example packs pairs the same way): an example goes into the first of
-  `num_rows` rows where all its sequences fit; once one fits nowhere, the rows are emitted. An
-  infinite stream never leaves a row empty, so every batch of `num_rows` is one packing round.
-  Every sequence of an example gets the same segment id: segment k of one key belongs to
-  segment k of the others. Adds `<key>_segment_ids` and `<key>_positions` per key."""
-  return FirstFitPackIterDataset(it, length_struct=lengths, num_packing_bins=num_rows,
-                                 shuffle_bins=False)
 
 
 def mask_tokens(

@@ -2,9 +2,10 @@
 
 Batch keys, all `[batch, max_length]` (weights float32, the rest int32): inputs (source +
 [eos]), targets (target + [eos]), weights (1 on real target tokens). Training rows with
-data.packing hold several pairs (first-fit packing) and add inputs_segment_ids,
-inputs_positions, targets_segment_ids, targets_positions; evaluation keeps one pair per row
-(beam search decodes one sentence per row) and cuts sides to max_length instead of dropping.
+data.packing hold several pairs (first fit, by the pipeline: `data.FirstFitPacking`) and add
+inputs_segment_ids, inputs_positions, targets_segment_ids, targets_positions; evaluation keeps
+one pair per row (beam search decodes one sentence per row) and cuts sides to max_length
+instead of dropping.
 
 Evaluation adds BLEU: during training on `decode.num_examples` sentences of the eval split
 (detokenized ids against detokenized references), at the end on whole splits against the raw
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_attn import models
-from lowrank_attn.data import ArraySpec, RowFormat, transforms
+from lowrank_attn.data import ArraySpec, FirstFitPacking, RowFormat, transforms
 from lowrank_attn.tasks import base
 
 KEYS = ('inputs', 'targets', 'weights')
@@ -77,7 +78,7 @@ class PadPair:
 
 
 class FinishPackedPair:
-  """A row of first-fit packed pairs -> the packed batch keys."""
+  """Rows of first-fit packed pairs -> the packed batch keys."""
 
   def __call__(self, packed):
     return {
@@ -110,11 +111,12 @@ class NMTFormat(RowFormat):
     # Evaluation keeps one pair per row: beam search decodes one sentence per row.
     return config.packing and train
 
-  def rows(self, ds, config, *, batch_size, train):
+  def first_fit_packing(self, config, *, train):
     if self.packed(config, train=train):
-      ds = transforms.first_fit_pack(
-          ds, {'inputs': config.max_length, 'targets': config.max_length}, batch_size)
-      return ds.map(FinishPackedPair())
+      return FirstFitPacking(('inputs', 'targets'), FinishPackedPair())
+    return None
+
+  def rows(self, ds, config, *, batch_size, train):
     return ds.map(PadPair(config.max_length))
 
   def row_spec(self, config, *, train):

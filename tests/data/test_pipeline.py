@@ -17,6 +17,7 @@ import pytest
 from lowrank_attn import tasks
 from lowrank_attn import data
 from lowrank_attn.data import datasets
+from lowrank_attn.data import packing as packing_lib
 from lowrank_attn.data import pipeline as pipeline_lib
 from lowrank_attn.data import tokenizers
 
@@ -333,6 +334,70 @@ def test_packed_nmt_rows_hold_whole_pairs_with_aligned_segments(pipeline):
   # Real pairs of the split, none twice (fewer pairs than one epoch), several per row.
   assert not seen - pairs
   assert seen.total() > 3 * 5 * 16
+
+
+def _packed_pairs(p, batches):
+  """The (source, target) text of every packed pair, row by row, segment by segment."""
+  for batch in batches:
+    for row in range(len(batch['inputs'])):
+      sources = _segments(batch['inputs'][row], batch['inputs_segment_ids'][row])
+      targets = _segments(batch['targets'][row], batch['targets_segment_ids'][row])
+      assert len(sources) == len(targets)
+      yield from ((p.tokenizer.decode(s), p.tokenizer.decode(t)) for s, t in zip(sources, targets))
+
+
+@pytest.fixture
+def small_windows(monkeypatch):
+  """Epochs of several packing windows and groups, so that their edges are crossed often."""
+  monkeypatch.setattr(packing_lib, 'WINDOW', 300)
+  monkeypatch.setattr(packing_lib, 'GROUP', 64)
+
+
+def test_packed_epochs_hold_every_pair_exactly_once(pipeline, small_windows):
+  examples = None
+  seen = collections.Counter()
+  for process in range(2):
+    p = pipeline(PACKED_NMT, split='test', global_batch_size=32, seed=5, process_index=process,
+                 process_count=2)
+    examples = examples or p.data_source.__getitems__(range(len(p.data_source)))
+    shard = [(e['en'].decode(), e['de'].decode()) for e in examples[process::2]]
+    # Every pair of the test split fits max_length (64 tokens a side), so none is dropped.
+    assert all(len(p.tokenizer.encode(side)) < 64 for pair in shard for side in pair)
+    pairs = []
+    while len(pairs) < 2 * len(shard):  # rows run on from one epoch into the next
+      pairs += _packed_pairs(p, [next(p)])
+    first, second = pairs[: len(shard)], pairs[len(shard) : 2 * len(shard)]
+    assert collections.Counter(first) == collections.Counter(second) == collections.Counter(shard)
+    assert first != second  # reshuffled
+    seen.update(first)
+  assert seen == collections.Counter((e['en'].decode(), e['de'].decode()) for e in examples)
+
+
+def test_packed_stream_resumes_exactly_from_every_batch(pipeline, small_windows):
+  p = pipeline(PACKED_NMT, split='test', global_batch_size=16, seed=2)
+  states, batches = [], []
+  for _ in range(24):  # ~17 batches an epoch: crosses windows and the first epoch's end
+    states.append(json.loads(json.dumps(p.get_state())))
+    batches.append(next(p))
+  assert states[-1]['first_fit']['epoch'] == 1
+  for step in range(0, 22):
+    resumed = pipeline(PACKED_NMT, split='test', global_batch_size=16, seed=2)
+    resumed.set_state(states[step])
+    _assert_same_batches(batches[step : step + 3], _take(resumed, 3))
+
+
+def test_a_packed_pipeline_refuses_a_grain_position(pipeline):
+  state = dict(pipeline(MULTI30K_NMT, split='test').get_state(), packing=True)
+  with pytest.raises(ValueError, match=r"no 'first_fit' position \(it has \['grain'\]\)"):
+    pipeline(PACKED_NMT, split='test').set_state(state)
+
+
+def test_packed_training_encodes_the_split_once_into_the_workdir(pipeline, workdir):
+  first = _take(pipeline(PACKED_NMT, split='test', seed=3), 2)
+  (cached,) = pathlib.Path(workdir, 'encoded').glob('multi30k_test_nmt_*.npz')
+  modified = cached.stat().st_mtime_ns
+  _assert_same_batches(first, _take(pipeline(PACKED_NMT, split='test', seed=3), 2))
+  assert cached.stat().st_mtime_ns == modified
 
 
 def test_nmt_evaluation_stays_one_pair_per_row_with_packing_on(pipeline):
