@@ -38,6 +38,7 @@ import math
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 Array = jax.Array
@@ -121,7 +122,6 @@ class _Config:
 
   def call(self, kernel, grid, in_specs, out_specs, out_shape, width, name):
     """`pl.pallas_call` with this call's compiler settings (those of jax's Triton attention)."""
-    from jax.experimental.pallas import triton as plgpu  # Triton-only settings
     return pl.pallas_call(
         functools.partial(kernel, config=self), grid=grid, in_specs=in_specs,
         out_specs=out_specs, out_shape=out_shape, interpret=self.interpret, name=name,
@@ -158,7 +158,7 @@ def _ids(length, block=None):
 def _scores(config, q, k, q_start, k_start, bias_ref, q_ids, kv_ids_ref):
   """Float32 logits `[bq, bk]` of one block pair, -inf where hidden."""
   bq, bk = q.shape[0], k.shape[0]
-  s = pl.dot(q, k, trans_b=True, allow_tf32=False)
+  s = plgpu.dot(q, k, trans_b=True, allow_tf32=False)
   k_slice = pl.ds(k_start, bk)
   if bias_ref is not None:
     s = s + bias_ref[k_slice][None, :]
@@ -197,7 +197,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_ids_ref, kv_ids_ref, o_ref,
     p = jnp.exp(s - shift[:, None])
     alpha = jnp.exp(m - shift)
     v = v_ref[pl.ds(j * bk, bk), :]
-    acc = alpha[:, None] * acc + pl.dot(p.astype(v.dtype), v, allow_tf32=False)
+    acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False)
     return acc, m_next, alpha * l + jnp.sum(p, axis=1)
 
   acc = jnp.zeros((bq, v_ref.shape[-1]), jnp.float32)
@@ -248,9 +248,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, q_ids_ref, kv_ids_ref, do_ref, lse
   def body(j, dq):
     k = k_ref[pl.ds(j * bk, bk), :]
     p = jnp.exp(_scores(config, q, k, i * bq, j * bk, bias_ref, q_ids, kv_ids_ref) - lse)
-    dp = pl.dot(do, v_ref[pl.ds(j * bk, bk), :], trans_b=True, allow_tf32=False)
+    dp = plgpu.dot(do, v_ref[pl.ds(j * bk, bk), :], trans_b=True, allow_tf32=False)
     ds = p * (dp - delta)
-    return dq + pl.dot(ds.astype(k.dtype), k, allow_tf32=False)
+    return dq + plgpu.dot(ds.astype(k.dtype), k, allow_tf32=False)
 
   dq = lax.fori_loop(0, _kv_blocks(config, i, k_ref.shape[0]), body,
                      jnp.zeros(q.shape, jnp.float32))
@@ -270,10 +270,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, q_ids_ref, kv_ids_ref, do_ref, ls
     q_ids = None if q_ids_ref is None else q_ids_ref[rows]
     s = _scores(config, q, k, i * bq, j * bk, bias_ref, q_ids, kv_ids_ref)
     p = jnp.exp(s - lse_ref[rows][:, None])
-    dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True, allow_tf32=False)
-    dp = pl.dot(do, v, trans_b=True, allow_tf32=False)
+    dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True, allow_tf32=False)
+    dp = plgpu.dot(do, v, trans_b=True, allow_tf32=False)
     ds = p * (dp - delta_ref[rows][:, None])
-    dk = dk + pl.dot(ds.astype(q.dtype), q, trans_a=True, allow_tf32=False)
+    dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, allow_tf32=False)
     return dk, dv, dbias + jnp.sum(ds, axis=0)
 
   # Causal: query blocks before this key block's first key see none of it.
