@@ -134,7 +134,11 @@ def splash_attention(query, key, value, is_causal, heads, segment_ids=None):
       splash_attention_kernel as splash, splash_attention_mask as splash_mask)
   batch_shape = query.shape[:-3]
   q_length, kv_length = query.shape[-3], key.shape[-3]
-  if key.shape[-2] != value.shape[-2]:  # collaborative: splash wants a key per value head
+  # Collaborative: splash wants a key per value head. Its multi-query kernel (make_splash_mqa)
+  # takes one key but also one value head for all query heads, and collaborative heads have
+  # values of their own; so the multi-head kernel, the key broadcast (value widths may differ
+  # from key widths in both kernels).
+  if key.shape[-2] != value.shape[-2]:
     key = jnp.broadcast_to(key, (*key.shape[:-2], value.shape[-2], key.shape[-1]))
   q_padded, kv_padded = (-(-n // SPLASH_BLOCK) * SPLASH_BLOCK for n in (q_length, kv_length))
 

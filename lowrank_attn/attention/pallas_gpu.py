@@ -41,6 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from lowrank_attn.attention import core
+
 Array = jax.Array
 
 # Queries and keys per block (jax's own Triton attention uses 128 x 128 forward, 32 x 32
@@ -69,13 +71,9 @@ def flash_attention(query: Array, key: Array, value: Array, *, key_bias: Array |
   Returns:
     `[batch..., q, heads, dv]` in value's dtype.
   """
-  batch_shape = query.shape[:-3]
-  q_length, heads, dk = query.shape[-3:]
-  kv_length, key_heads = key.shape[-3:-1]
-  value_heads, dv = value.shape[-2:]
-  if heads % key_heads or heads % value_heads:
-    raise ValueError(f'key heads ({key_heads}) and value heads ({value_heads}) must divide the '
-                     f'query heads ({heads}).')
+  core.check_head_groups(query, key, value)
+  batch_shape, (q_length, heads, dk) = query.shape[:-3], query.shape[-3:]
+  (kv_length, key_heads), (value_heads, dv) = key.shape[-3:-1], value.shape[-2:]
   if interpret is None:
     interpret = jax.default_backend() != 'gpu'
   bq = min(block_q, max(MIN_WIDTH, pl.next_power_of_2(q_length)))
@@ -133,13 +131,12 @@ class _Config:
 # lse and delta float32 `[B, heads, q]`; segment ids int32 `[B, L]`.
 
 
-def _rows(length, block, heads_per=1, mode='block'):
-  """BlockSpec of a `[B, L, heads, d]` operand (d from the block shape set by the caller)."""
-  def spec(d):
-    if mode == 'block':  # this program's block
-      return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h // heads_per, 0))
-    return pl.BlockSpec((None, length, None, d), lambda i, b, h: (b, 0, h // heads_per, 0))
-  return spec
+def _rows(d, block, groups=1):
+  """BlockSpec of a `[B, L, heads / groups, d]` operand: query head h reads head h // groups;
+  `block` rows: this program's block; `(length,)`: the whole length."""
+  if isinstance(block, tuple):
+    return pl.BlockSpec((None, *block, None, d), lambda i, b, h: (b, 0, h // groups, 0))
+  return pl.BlockSpec((None, block, None, d), lambda i, b, h: (b, i, h // groups, 0))
 
 
 def _per_head(length, block=None):
@@ -150,6 +147,7 @@ def _per_head(length, block=None):
 
 
 def _ids(length, block=None):
+  """BlockSpec of int32 segment ids `[B, L]`: this program's block, or the whole length."""
   if block is None:
     return pl.BlockSpec((None, length), lambda i, b, h: (b, 0))
   return pl.BlockSpec((None, block), lambda i, b, h: (b, i))
@@ -214,14 +212,14 @@ def _forward(config, q, k, v, bias, q_ids, kv_ids):
   batch, q_padded, heads, dk = q.shape
   kv_padded, dv = k.shape[1], v.shape[-1]
   bq = config.block_q
-  in_specs = [_rows(q_padded, bq)(dk), _rows(kv_padded, 0, config.key_groups, 'all')(dk),
-              _rows(kv_padded, 0, config.value_groups, 'all')(dv),
+  in_specs = [_rows(dk, bq), _rows(dk, (kv_padded,), config.key_groups),
+              _rows(dv, (kv_padded,), config.value_groups),
               None if bias is None else _per_head(kv_padded),
               None if q_ids is None else _ids(q_padded, bq),
               None if kv_ids is None else _ids(kv_padded)]
   return config.call(
       _forward_kernel, (q_padded // bq, batch, heads), in_specs,
-      [_rows(q_padded, bq)(dv), _per_head(q_padded, bq)],
+      [_rows(dv, bq), _per_head(q_padded, bq)],
       [jax.ShapeDtypeStruct((batch, q_padded, heads, dv), v.dtype),
        jax.ShapeDtypeStruct((batch, heads, q_padded), jnp.float32)],
       max(dk, dv), 'lowrank_flash_forward')(q, k, v, bias, q_ids, kv_ids)
@@ -297,18 +295,18 @@ def _flash_bwd(config, residuals, d_out):
   # D = rowsum(dO * O), the softmax Jacobian's diagonal term: [B, heads, q] float32.
   delta = jnp.swapaxes(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1), 1, 2)
   operands = (q, k, v, bias, q_ids, kv_ids, d_out, lse, delta)
-  key_spec = _rows(kv_padded, 0, config.key_groups, 'all')(dk)
-  value_spec = _rows(kv_padded, 0, config.value_groups, 'all')(dv)
+  key_spec = _rows(dk, (kv_padded,), config.key_groups)
+  value_spec = _rows(dv, (kv_padded,), config.value_groups)
   bias_spec = None if bias is None else _per_head(kv_padded)
   dq = config.call(
       _dq_kernel, (q_padded // bq, batch, heads),
-      [_rows(q_padded, bq)(dk), key_spec, value_spec, bias_spec,
+      [_rows(dk, bq), key_spec, value_spec, bias_spec,
        None if q_ids is None else _ids(q_padded, bq), None if kv_ids is None else _ids(kv_padded),
-       _rows(q_padded, bq)(dv), _per_head(q_padded, bq), _per_head(q_padded, bq)],
-      _rows(q_padded, bq)(dk), jax.ShapeDtypeStruct(q.shape, q.dtype), max(dk, dv),
+       _rows(dv, bq), _per_head(q_padded, bq), _per_head(q_padded, bq)],
+      _rows(dk, bq), jax.ShapeDtypeStruct(q.shape, q.dtype), max(dk, dv),
       'lowrank_flash_dq')(*operands)
 
-  out_specs = [_rows(kv_padded, bk)(dk), _rows(kv_padded, bk)(dv)]
+  out_specs = [_rows(dk, bk), _rows(dv, bk)]
   out_shape = [jax.ShapeDtypeStruct((batch, kv_padded, heads, dk), jnp.float32),
                jax.ShapeDtypeStruct((batch, kv_padded, heads, dv), jnp.float32)]
   if bias is not None:
@@ -316,10 +314,10 @@ def _flash_bwd(config, residuals, d_out):
     out_shape.append(jax.ShapeDtypeStruct(bias.shape, jnp.float32))
   grads = config.call(
       _dkv_kernel, (kv_padded // bk, batch, heads),
-      [_rows(q_padded, 0, mode='all')(dk), _rows(kv_padded, bk, config.key_groups)(dk),
-       _rows(kv_padded, bk, config.value_groups)(dv), bias_spec,
+      [_rows(dk, (q_padded,)), _rows(dk, bk, config.key_groups),
+       _rows(dv, bk, config.value_groups), bias_spec,
        None if q_ids is None else _ids(q_padded), None if kv_ids is None else _ids(kv_padded),
-       _rows(q_padded, 0, mode='all')(dv), _per_head(q_padded), _per_head(q_padded)],
+       _rows(dv, (q_padded,)), _per_head(q_padded), _per_head(q_padded)],
       out_specs, out_shape, max(dk, dv), 'lowrank_flash_dkv')(*operands)
 
   def per_shared_head(x, groups, like):  # [B, kv, heads, d] -> [B, kv, heads / groups, d]

@@ -188,7 +188,7 @@ def test_pallas_refuses_what_it_cannot_compute(make_params):
     (91000, '9.0', True), (91100, '10.0', True),
     (90900, '9.0', False), (91000, '8.9', False), (None, None, False),
 ])
-def test_cudnn_value_width_rule(version, capability, accepted, monkeypatch):
+def test_cudnn_value_width_rule(version, capability, accepted):
   """jax's rule (cuDNN >= 9.10 on compute capability >= 9.0); None: this machine's GPU,
   here none."""
   assert fused.cudnn_accepts_value_width(version, capability) is accepted

@@ -88,16 +88,21 @@ def max_error(result, reference):
              relative_error(input_grads, input_ref))
 
 
+def layer_inputs(kind, length, make_params):
+  """The spec of `kind`, random parameters, inputs `[B, length, D]` and the rng that made them."""
+  spec = A.AttentionSpec(num_heads=H, in_features=D, **KINDS[kind])
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((B, length, D)), jnp.float32)
+  return spec, make_params(spec, seed=0), x, rng
+
+
 @pytest.mark.parametrize('length', [L, L - 1], ids=['even', 'odd'])  # cuDNN: even with a mask
 @pytest.mark.parametrize('is_causal', [False, True], ids=['full', 'causal'])
 @pytest.mark.parametrize('mask_kind', [None, 'padding', 'full'])
 @pytest.mark.parametrize('kind', KINDS)
 def test_cudnn_equals_the_materialising_path(kind, mask_kind, is_causal, length, make_params):
   """Outputs, parameter gradients and input gradients."""
-  spec = A.AttentionSpec(num_heads=H, in_features=D, **KINDS[kind])
-  params = make_params(spec, seed=0)
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((B, length, D)), jnp.float32)
+  spec, params, x, rng = layer_inputs(kind, length, make_params)
   mask = make_mask(mask_kind, rng, length)
   run = functools.partial(loss_and_grads, params, x, mask, spec=spec, is_causal=is_causal)
   reference = run(implementation='xla', dtype=jnp.float32)
@@ -191,10 +196,7 @@ def make_segments(length):
 @pytest.mark.parametrize('kind', KINDS)
 def test_pallas_equals_the_materialising_path(kind, is_causal, length, dtype, make_params):
   """Outputs, parameter gradients and input gradients, with packed segments and padding."""
-  spec = A.AttentionSpec(num_heads=H, in_features=D, **KINDS[kind])
-  params = make_params(spec, seed=0)
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((B, length, D)), jnp.float32)
+  spec, params, x, _ = layer_inputs(kind, length, make_params)
   ids = make_segments(length)
   run = functools.partial(loss_and_grads, params, x, spec=spec, is_causal=is_causal)
   reference = run(A.segment_mask(ids, ids), implementation='xla', dtype=jnp.float32,
