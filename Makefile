@@ -43,9 +43,10 @@ test-all: $(STAMP)
 test-unit: $(STAMP)
 	$(PYTEST) --unit tests
 
-# The GPU tests (tests/gpu: cuDNN attention against the materialising path), on a machine with
-# an NVIDIA GPU and a CUDA build of jax (they passed on an H100 with jax 0.11.2 and its cuda13
-# plugin, one minor version past our pin); they fail, not skip, without one.
+# The GPU tests (tests/gpu: cuDNN attention and our Pallas kernel against the materialising
+# path), on a machine with an NVIDIA GPU and a CUDA build of jax (the cuDNN ones passed on an
+# H100 with jax 0.11.2 and its cuda13 plugin, one minor version past our pin; the collaborative
+# and Pallas ones have not run yet); they fail, not skip, without one.
 test-gpu:
 	JAX_PLATFORMS=cuda $(PY) -m pytest -q -m gpu tests/gpu
 

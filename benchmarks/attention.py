@@ -63,9 +63,10 @@ LONG_LENGTHS = (512, 1024, 2048, 4096, 8192)
 LONG_BATCH, LONG_D, LONG_HEADS = 2, 512, 8  # head_dim 64; flax needs 4.1 GB at L = 4096
 
 
-def long_kinds(D: int, h: int, cudnn: bool = False) -> dict[str, dict]:
+def long_kinds(D: int, h: int, cudnn: bool = False, pallas: bool = False) -> dict[str, dict]:
   """Layer settings of the --long table (blockwise unless the label names another
-  implementation), by label. `cudnn`: add the kinds cuDNN computes (GPU, 16-bit dtypes)."""
+  implementation), by label. `cudnn`: add the kinds cuDNN computes (GPU, 16-bit dtypes);
+  `pallas`: those our Pallas kernel computes (GPU)."""
   settings = {
       'concat (xla)': dict(implementation='xla'),
       'concat': dict(),
@@ -82,6 +83,17 @@ def long_kinds(D: int, h: int, cudnn: bool = False) -> dict[str, dict]:
         f'grouped-query kv={h // 4} (cudnn)': dict(num_kv_heads=h // 4, implementation='cudnn'),
         f'fixed_head d={2 * D // h} (cudnn)': dict(kind='fixed_head', head_dim=2 * D // h,
                                                     implementation='cudnn'),
+        # Shared key broadcast to every head, content bias as h key columns (<= 256 wide).
+        f'collaborative Dk={D // 4} (cudnn)': dict(kind='collaborative', key_dim=D // 4,
+                                                   implementation='cudnn'),
+    }
+  if pallas:
+    settings |= {
+        'concat (pallas)': dict(implementation='pallas'),
+        f'collaborative Dk={D // 4} (pallas)': dict(kind='collaborative', key_dim=D // 4,
+                                                    implementation='pallas'),
+        f'collaborative Dk={D} (pallas)': dict(kind='collaborative', key_dim=D,
+                                               implementation='pallas'),
     }
   return settings
 
@@ -205,7 +217,8 @@ def bench_long(length, args, dtype):
     programs['flax.nnx (cudnn)'] = compile_flax(
         nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype, rngs=nnx.Rngs(0),
                                attention_fn=cudnn_attention_fn), x)
-  for label, options in long_kinds(D, h, cudnn=uses_cudnn(dtype)).items():
+  for label, options in long_kinds(D, h, cudnn=uses_cudnn(dtype),
+                                   pallas=jax.default_backend() == 'gpu').items():
     options = dict(options)
     implementation = options.pop('implementation', 'blockwise')
     layer = MultiHeadAttention(h, D, dtype=dtype, rngs=nnx.Rngs(0), **options)
@@ -242,7 +255,8 @@ def main_long(args, dtype):
       f'and inputs), batch {args.long_batch}, D = {args.long_dim}, {args.long_heads} heads, '
       f'{args.dtype}, {args.clock} time, median of {args.repeats} interleaved repetitions. '
       f"Ours: implementation='blockwise', block_size={args.block_size}, except where the "
-      f"label names 'xla' (materialising) or 'cudnn' (cuDNN's fused kernel, GPU). Temp MB: "
+      f"label names 'xla' (materialising), 'cudnn' (cuDNN's fused kernel, GPU) or 'pallas' "
+      "(our Pallas flash kernel, GPU). Temp MB: "
       "XLA's compile-time temporary memory of the program "
       f'(memory_analysis); programs above {args.max_temp_gb} GB are not run. FLOPs / concat '
       'counts only visible (causal) token pairs; GFLOP/s = 3 x forward matmul FLOPs / time.',

@@ -70,9 +70,7 @@ def blockwise_attention(query: Array, key: Array, value: Array, *, key_bias: Arr
   q_length, heads, dk = query.shape[-3:]
   kv_length, key_heads = key.shape[-3:-1]
   value_heads, dv = value.shape[-2:]
-  if heads % key_heads or heads % value_heads:
-    raise ValueError(f'key heads ({key_heads}) and value heads ({value_heads}) must divide the '
-                     f'query heads ({heads}).')
+  core.check_head_groups(query, key, value)
   batch = 1
   for size in batch_shape:
     batch *= size

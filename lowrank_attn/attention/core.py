@@ -50,6 +50,14 @@ def check_broadcastable(name: str, array_shape, target_shape, target_desc: str) 
         f'{target_desc} = {tuple(target_shape)}.')
 
 
+def check_head_groups(query, key, value) -> None:
+  """ValueError unless key and value heads (`[..., heads, d]`) each divide the query heads."""
+  heads, key_heads, value_heads = query.shape[-2], key.shape[-2], value.shape[-2]
+  if heads % key_heads or heads % value_heads:
+    raise ValueError(f'key heads ({key_heads}) and value heads ({value_heads}) must divide the '
+                     f'query heads ({heads}).')
+
+
 # Added to hidden logits. Finite, so no inf - inf = NaN anywhere; far below any real logit,
 # so exp() of a hidden entry is exactly 0 after the softmax's max-subtraction; and 0.7x the
 # float32 max, so adding it to a (very negative) logit cannot overflow.

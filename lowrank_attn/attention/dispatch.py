@@ -9,9 +9,13 @@ with the materialising path of `kernels.py` ('xla'), which never comes here.
 
 Implementations (`PLATFORMS`: the backend each needs):
   'blockwise'  pure JAX, any backend, O(length) memory (`blockwise.py`).
-  'cudnn'      GPU: cuDNN's fused attention (`fused.py`).
-  'splash'     TPU: the Pallas splash-attention kernel (`fused.py`); it takes no boolean mask:
-               padding and packed sequences come as (query, key) `segment_ids`.
+  'cudnn'      GPU: cuDNN's fused attention (`fused.py`), bfloat16/float16 only.
+  'pallas'     GPU: our own Pallas (Triton) flash-attention kernel (`pallas_gpu.py`), any float
+               dtype: collaborative as true multi-query attention (one shared key read by every
+               head, values of their own width, the content bias as a logit bias).
+  'splash'     TPU: the Pallas splash-attention kernel (`fused.py`).
+'pallas' and 'splash' take no boolean mask: padding and packed sequences come as (query, key)
+`segment_ids` (`SEGMENT_ID_IMPLEMENTATIONS`).
 `check_implementation` refuses, with a ValueError, what an implementation cannot compute,
 against the `platform` it is given (None: `jax.default_backend()`), so a TPU program can be
 checked and compiled on a machine without one.
@@ -22,9 +26,18 @@ How each kind becomes attention over `query [.., q, heads, dk]`, `key [.., kv, k
   collaborative: multi-query attention in disguise (Cordonnier et al. 2020, eq. 7): head i's
     query is the shared query scaled by its mixing vector, q * m_i, and all heads share one
     key of width key_dim (key_heads = 1); values stay per head. The key-content bias x_k . c_i
-    is a per-(head, key) logit bias (`key_bias`); the fused kernels, which take no bias, get it
-    as `heads` extra key columns with one-hot query columns instead.
-  talking_heads (Shazeer et al. 2020): the mixing matrices go to the blockwise kernel.
+    is a per-(head, key) logit bias (`key_bias`); 'cudnn' and 'splash', which take no bias, get
+    it as `heads` extra key columns with one-hot query columns instead, and a key broadcast to
+    every value head (both want as many key heads as value heads; splash's multi-query kernel
+    shares the values too, which collaborative heads do not). 'pallas' reads the one key.
+  talking_heads (Shazeer et al. 2020): the mixing matrices go to the blockwise kernel. No fused
+    kernel (cuDNN, splash, ours) computes it: they compute one softmax per head from that
+    head's own logits, while talking heads mixes every head's logits before the softmax and
+    every head's weights after it, so a kernel would need all heads' blocks at once and the
+    post-softmax mix needs each head's final normaliser (the two-pass scheme of
+    `blockwise.py`). Its cost, measured on an H100 (benchmarks/results/attention_long_gpu.md,
+    bfloat16, L = 4096, forward+backward): blockwise talking heads 131 ms, 2.84x blockwise
+    concat (46 ms), 7.1x flax's materialising layer (18 ms), ~60x concat through cuDNN (2 ms).
 
 Masks: a boolean mask broadcastable to `[batch..., heads, q, kv]`; pass `is_causal=True` rather
 than a causal mask (the kernels build it per block). Segment ids (query, key; 0 = padding) stand
@@ -35,13 +48,15 @@ no key outputs 0, never NaN.
 import jax
 import jax.numpy as jnp
 
-from lowrank_attn.attention import blockwise, fused
+from lowrank_attn.attention import blockwise, fused, pallas_gpu
 from lowrank_attn.attention.spec import DEFAULT_BLOCK_SIZE, IMPLEMENTATIONS, AttentionSpec
 
 Array = jax.Array
 
 # implementation -> the backend it needs (None: any).
-PLATFORMS = {'xla': None, 'blockwise': None, 'cudnn': 'gpu', 'splash': 'tpu'}
+PLATFORMS = {'xla': None, 'blockwise': None, 'cudnn': 'gpu', 'pallas': 'gpu', 'splash': 'tpu'}
+# Take padding and packing as segment ids, not as a boolean mask.
+SEGMENT_ID_IMPLEMENTATIONS = ('pallas', 'splash')
 
 
 def check_implementation(implementation: str, spec: AttentionSpec, *, block_size: int = 1,
@@ -77,12 +92,18 @@ def check_implementation(implementation: str, spec: AttentionSpec, *, block_size
     unsupported.append('a decoding cache')
   if implementation == 'cudnn':
     if spec.kind == 'collaborative':
-      unsupported.append("kind='collaborative' (cuDNN needs values as wide as keys)")
+      key_width = spec.key_dim + (spec.num_heads if spec.use_bias else 0)
+      widest = max(fused.cudnn_widths(key_width, spec.head_dim, mla=False))
+      if widest > fused.CUDNN_MAX_WIDTH:
+        unsupported.append(
+            f'head widths above {fused.CUDNN_MAX_WIDTH} (collaborative key_dim={spec.key_dim}'
+            f'{f" + {spec.num_heads} content-bias columns" if spec.use_bias else ""} and '
+            f'head_dim={spec.head_dim} give {widest})')
     if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
       unsupported.append(f'dtype {jnp.dtype(dtype).name} (cuDNN attention needs bfloat16 or '
                          'float16)')
-  if implementation == 'splash' and mask:
-    unsupported.append('a boolean mask (splash takes static masks: is_causal, and segment_ids '
+  if implementation in SEGMENT_ID_IMPLEMENTATIONS and mask:
+    unsupported.append(f'a boolean mask ({implementation} takes is_causal, and segment_ids '
                        '(query, key) for padding and packed sequences)')
   if unsupported:
     raise ValueError(f'implementation={implementation!r} does not support '
@@ -100,8 +121,8 @@ def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Arr
 
   query/key/value/content_bias as `kernels.project` returns them; `rng` is None unless
   dropout is active; params in the computation dtype. `segment_ids`: int (query `[batch...,
-  q]`, key `[batch..., kv]`) for 'splash', which takes them as its kernel's segment ids
-  (`multi_head_attention` turns them into `core.segment_mask` for the others). The call is
+  q]`, key `[batch..., kv]`) for 'pallas' and 'splash', which take them as their kernels'
+  segment ids (`multi_head_attention` turns them into `core.segment_mask` for the others). The call is
   assumed checked by `check_implementation`.
   """
   h = spec.num_heads
@@ -122,6 +143,9 @@ def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Arr
         query, key, value, key_bias=key_bias, mask=mask, is_causal=is_causal,
         pre_mixing=pre, post_mixing=post, dropout_rng=rng, dropout_rate=dropout_rate,
         broadcast_dropout=broadcast_dropout, block_size=block_size, precision=precision)
+  if implementation == 'pallas':
+    return pallas_gpu.flash_attention(query, key, value, key_bias=key_bias,
+                                      segment_ids=segment_ids, is_causal=is_causal)
   if key_bias is not None:  # as h extra key columns, one-hot on the query side
     one_hot = jnp.broadcast_to(jnp.eye(h, dtype=query.dtype), (*query.shape[:-1], h))
     query = jnp.concatenate([query, one_hot], axis=-1)

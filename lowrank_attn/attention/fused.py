@@ -1,5 +1,7 @@
 """Fused attention kernels behind our operands: cuDNN (GPU) and Pallas splash (TPU).
 
+(Our own Pallas kernel, for what these cannot take, is `pallas_gpu.py`.)
+
 Both take `query [batch..., q, heads, dk]` (already scaled), `key [batch..., kv, key_heads,
 dk]`, `value [batch..., kv, value_heads, dv]` as `dispatch.attend` builds them and return
 `[batch..., q, heads, dv]`; a query that sees no key outputs 0, as every implementation does.
@@ -10,6 +12,7 @@ run its kernel in Pallas' CPU interpreter (alone and inside every model, with se
 and `tpu/compile.py` compiles the train steps with it for TPU slices (tpu/README.md).
 """
 
+import functools
 import math
 
 import jax
@@ -22,6 +25,50 @@ Array = jax.Array
 # Splash's default block sizes (`BlockSizes.get_default()`): lengths are padded to multiples
 # (on TPU its key blocks must be multiples of 128 lanes).
 SPLASH_BLOCK = 128
+# cuDNN's head widths: a multiple of 8, at most 256 on Hopper and later (128 before).
+CUDNN_WIDTH_MULTIPLE = 8
+CUDNN_MAX_WIDTH = 256
+# Values of another width than keys ("mla" in jax): cuDNN >= 9.10 on compute capability >= 9.0.
+CUDNN_MLA_VERSION = 91000
+CUDNN_MLA_CAPABILITY = (9, 0)
+
+
+def cudnn_accepts_value_width(cudnn_version: int | None = None,
+                              compute_capability: str | None = None) -> bool:
+  """Whether cuDNN computes attention with values narrower or wider than keys.
+
+  cudnn_version: as cuDNN reports it (9.10.0 = 91000); compute_capability: '9.0'. None: those
+  of this machine's first GPU (False without a GPU or cuDNN). jax 0.10's own check
+  (`fused_attention_stablehlo.check_is_flash_attention`) is the rule; its public
+  `jax.nn.dot_product_attention` still requires value.shape == key.shape, so where this holds
+  `cudnn_attention` calls the cuDNN function behind it.
+  """
+  if cudnn_version is None and compute_capability is None:
+    cudnn_version, compute_capability = _local_cudnn()
+  if cudnn_version is None or compute_capability is None:
+    return False
+  capability = tuple(int(part) for part in str(compute_capability).split('.')[:2])
+  return cudnn_version >= CUDNN_MLA_VERSION and capability >= CUDNN_MLA_CAPABILITY
+
+
+@functools.cache
+def _local_cudnn() -> tuple[int | None, str | None]:
+  """(cuDNN version, compute capability) of this machine's first GPU, or (None, None)."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # GPU-only dependency
+    return cudnn.check_cudnn_version(), jax.devices('gpu')[0].compute_capability
+  except (ImportError, RuntimeError):
+    return None, None
+
+
+def cudnn_widths(key_width: int, value_width: int, mla: bool) -> tuple[int, int]:
+  """The (query/key, value) head widths `cudnn_attention` hands cuDNN: each rounded up to a
+  multiple of 8 with zero columns, and, where cuDNN needs equal widths (not `mla`), both the
+  larger of the two. Zero columns change no product."""
+  up = lambda d: -(-d // CUDNN_WIDTH_MULTIPLE) * CUDNN_WIDTH_MULTIPLE
+  if mla:
+    return up(key_width), up(value_width)
+  return (up(max(key_width, value_width)),) * 2
 
 
 def cudnn_attention(query, key, value, mask, is_causal):
@@ -30,11 +77,22 @@ def cudnn_attention(query, key, value, mask, is_causal):
   cuDNN takes a mask as a bias of full shape `[B, heads|1, q, kv]` (a `[.., 1, kv]` padding
   mask is broadcast), and its backward pass needs even lengths: odd lengths are padded by one
   position, the padded key masked out, the padded query dropped.
+
+  Collaborative attention (one key head, `heads` value heads): cuDNN wants as many key heads
+  as value heads, so the shared key is broadcast to every value head. Head widths go through
+  `cudnn_widths`: where `cudnn_accepts_value_width()` (cuDNN >= 9.10, Hopper or later) values
+  keep their own width, else the narrower operand is padded with zero columns to the wider
+  (exact, but the padded product costs its extra width).
   """
   batch_shape, (q_length, heads, _) = query.shape[:-3], query.shape[-3:]
-  kv_length = key.shape[-3]
-  flat = lambda x: x.reshape(-1, *x.shape[-3:])
-  query, key, value = flat(query), flat(key), flat(value)
+  kv_length, dv = key.shape[-3], value.shape[-1]
+  if key.shape[-2] != value.shape[-2]:  # collaborative: a key per value head
+    key = jnp.broadcast_to(key, (*key.shape[:-2], value.shape[-2], key.shape[-1]))
+  mla = key.shape[-1] != dv and cudnn_accepts_value_width()
+  dk_cudnn, dv_cudnn = cudnn_widths(key.shape[-1], dv, mla)
+  flat = lambda x, d: jnp.pad(x.reshape(-1, *x.shape[-3:]),
+                              ((0, 0), (0, 0), (0, 0), (0, d - x.shape[-1])))
+  query, key, value = flat(query, dk_cudnn), flat(key, dk_cudnn), flat(value, dv_cudnn)
   pad_q, pad_kv = q_length % 2, kv_length % 2
   if pad_kv and mask is None:
     mask = jnp.ones((q_length, kv_length), bool)
@@ -45,9 +103,15 @@ def cudnn_attention(query, key, value, mask, is_causal):
     mask = jnp.pad(mask.reshape(-1, *mask.shape[-3:]), ((0, 0), (0, 0), (0, pad_q), (0, pad_kv)))
   along = lambda x, n: jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))
   query, key, value = along(query, pad_q), along(key, pad_kv), along(value, pad_kv)
-  out = jax.nn.dot_product_attention(query, key, value, mask=mask, scale=1.0,
-                                     is_causal=is_causal, implementation='cudnn')
-  out = out[:, :q_length]
+  if dk_cudnn != dv_cudnn:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # GPU-only dependency
+    out = cudnn.dot_product_attention(
+        query, key, value, mask=mask, scale=1.0,
+        mask_type=cudnn.MaskType.CAUSAL if is_causal else cudnn.MaskType.NO_MASK)
+  else:
+    out = jax.nn.dot_product_attention(query, key, value, mask=mask, scale=1.0,
+                                       is_causal=is_causal, implementation='cudnn')
+  out = out[:, :q_length, :, :dv]
   if mask is not None:  # our contract: a query that sees no key outputs 0
     mask = mask[..., :q_length, :kv_length]
     visible = mask & core.causal_mask(q_length, kv_length) if is_causal else mask
@@ -70,7 +134,11 @@ def splash_attention(query, key, value, is_causal, heads, segment_ids=None):
       splash_attention_kernel as splash, splash_attention_mask as splash_mask)
   batch_shape = query.shape[:-3]
   q_length, kv_length = query.shape[-3], key.shape[-3]
-  if key.shape[-2] != value.shape[-2]:  # collaborative: splash wants a key per value head
+  # Collaborative: splash wants a key per value head. Its multi-query kernel (make_splash_mqa)
+  # takes one key but also one value head for all query heads, and collaborative heads have
+  # values of their own; so the multi-head kernel, the key broadcast (value widths may differ
+  # from key widths in both kernels).
+  if key.shape[-2] != value.shape[-2]:
     key = jnp.broadcast_to(key, (*key.shape[:-2], value.shape[-2], key.shape[-1]))
   q_padded, kv_padded = (-(-n // SPLASH_BLOCK) * SPLASH_BLOCK for n in (q_length, kv_length))
 

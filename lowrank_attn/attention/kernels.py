@@ -264,8 +264,9 @@ def multi_head_attention(
     is_causal: also hide keys after the query's position.
     segment_ids: int (query `[batch..., q_length]`, key `[batch..., kv_length]`) segment ids of
       packed sequences, 0 for padding: a query sees only keys of its own segment, and nothing
-      sees padding (the mask `core.segment_mask` builds, ANDed with `mask`). 'splash' takes
-      them as its kernel's segment ids (it takes no boolean mask); the others as that mask.
+      sees padding (the mask `core.segment_mask` builds, ANDed with `mask`). 'pallas' and
+      'splash' take them as their kernels' segment ids (they take no boolean mask); the others
+      as that mask.
     head_mask: `[heads]` or `[batch..., heads]` factors multiplying each head's output
       before the output projection: 0/1 to prune heads; its gradient at ones is the head
       importance of Michel et al. (2019).
@@ -285,12 +286,12 @@ def multi_head_attention(
     precision: `jax.lax.Precision` of the matrix products.
     implementation: 'xla' materialises `[batch..., heads, q_length, kv_length]`; 'blockwise'
       computes the same in O(length) memory (online softmax over key blocks, recomputing
-      backward; dropout masks differ); 'cudnn' (GPU) and 'splash' (TPU) call fused kernels
-      where the kind allows. See `lowrank_attn.attention.dispatch`. Default:
+      backward; dropout masks differ); 'cudnn', 'pallas' (GPU) and 'splash' (TPU) call fused
+      kernels where the kind allows. See `lowrank_attn.attention.dispatch`. Default:
       `spec.implementation`, or 'xla' with a cache (a decoding step's logits are O(length),
       and the fused kernels take no cache).
     block_size: queries and keys per block of 'blockwise'; default `spec.block_size`.
-    platform: the backend 'cudnn'/'splash' are checked against; default `spec.platform`
+    platform: the backend 'cudnn'/'pallas'/'splash' are checked against; default `spec.platform`
       (None: `jax.default_backend()`).
   """
   if implementation is None:
@@ -338,7 +339,7 @@ def multi_head_attention(
   if segment_ids is not None:
     _check_segment_ids(segment_ids, batch_shape, query.shape[length_axis],
                        key.shape[length_axis])
-    if implementation != 'splash':  # only splash's kernel takes the ids themselves
+    if implementation not in dispatch.SEGMENT_ID_IMPLEMENTATIONS:  # take the mask instead
       mask = core.combine_masks(mask, core.segment_mask(*segment_ids))
       segment_ids = None
 

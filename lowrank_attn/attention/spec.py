@@ -27,8 +27,9 @@ def _require_int(name: str, value, minimum: int = 1, note: str = '') -> None:
 
 MIXING_INITS = ('concatenate', 'all_ones', 'random')
 # How the softmax(QK^T)V part is computed (see `lowrank_attn.attention.dispatch`).
-IMPLEMENTATIONS = ('xla', 'blockwise', 'cudnn', 'splash')
-# The backends `jax.default_backend()` names, which 'cudnn' and 'splash' are checked against.
+IMPLEMENTATIONS = ('xla', 'blockwise', 'cudnn', 'pallas', 'splash')
+# The backends `jax.default_backend()` names, which 'cudnn', 'pallas' and 'splash' are checked
+# against.
 PLATFORMS = ('cpu', 'gpu', 'tpu')
 # Queries and keys per block: 128 was the fastest forward+backward of 64/128/256/512 on 2
 # XLA:CPU cores at L = 512 and 4096 (batch 2, D = 512, 8 heads); fused GPU/TPU kernels choose
@@ -125,13 +126,15 @@ class AttentionSpec:
       'blockwise': any backend, in O(length) memory: key blocks with an online softmax and a
         recomputing backward pass; causal attention skips the blocks above the diagonal.
         Attention dropout draws different (per-block) masks than 'xla'.
-      'cudnn' (GPU) and 'splash' (TPU): fused kernels, for the kinds and options they support
-        (checked when called, on the backend that runs them).
+      'cudnn' (GPU), 'pallas' (GPU: our own Pallas/Triton flash kernel) and 'splash' (TPU):
+        fused kernels, for the kinds and options they support (checked when called, on the
+        backend that runs them).
       Decoding with a cache always computes as 'xla' (a step's logits are O(length)).
     block_size: queries and keys per block of 'blockwise'.
-    platform: the backend 'cudnn' and 'splash' are checked against, one of PLATFORMS; None:
-      `jax.default_backend()` at the call. 'tpu' to compile for a TPU on a machine without
-      one (tpu/compile.py), or to run splash in Pallas' CPU interpreter (tests).
+    platform: the backend 'cudnn', 'pallas' and 'splash' are checked against, one of
+      PLATFORMS; None: `jax.default_backend()` at the call. 'tpu' to compile for a TPU on a
+      machine without one (tpu/compile.py); 'gpu'/'tpu' to run 'pallas'/'splash' in Pallas'
+      CPU interpreter (tests).
   """
 
   num_heads: int | tuple[int, ...]

@@ -18,8 +18,8 @@ Decoder self-attention is causal by `is_causal=True`, not by a `[q, kv]` causal 
 `implementation='blockwise'` each block builds its part from positions and the blocks above
 the diagonal are skipped ('xla' builds the full mask itself). Padding and packed sequences
 reach the attention layers as (query, key) segment ids, not as masks: the mask
-`segment_mask` builds from them for every implementation but 'splash', whose kernel takes
-the ids themselves.
+`segment_mask` builds from them for every implementation but 'pallas' and 'splash', whose
+kernels take the ids themselves.
 """
 
 from collections.abc import Iterator, Mapping, Sequence

@@ -235,7 +235,7 @@ class MultiHeadAttention(nnx.Module):
     Args as `flax.nnx.MultiHeadAttention.__call__`, plus:
       segment_ids: int (query `[batch..., q]`, key `[batch..., kv]`) segment ids of packed
         sequences, 0 = padding: the mask `attention.segment_mask` builds (ANDed with `mask`),
-        which implementation='splash' takes as its kernel's segment ids.
+        which implementation='pallas' or 'splash' takes as its kernel's segment ids.
       head_mask: `[heads]` or `[batch..., heads]` factors on each head's output (pruning masks;
         its gradient at ones is Michel et al.'s head importance).
       return_weights: return `(out, weights)`, weights float32 `[batch..., heads, q, kv]`.

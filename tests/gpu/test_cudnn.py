@@ -1,4 +1,5 @@
-"""implementation='cudnn' on a CUDA GPU: cuDNN's fused attention computes what 'xla' computes.
+"""implementation='cudnn' and 'pallas' on a CUDA GPU: cuDNN's fused attention and our Pallas
+(Triton) kernel compute what 'xla' computes.
 
 Run with `make test-gpu` (or `JAX_PLATFORMS=cuda pytest -m gpu tests/gpu`) on a machine with
 an NVIDIA GPU; `make test` leaves these tests out. Selected on a machine without a GPU they
@@ -8,7 +9,11 @@ Parameters: `make_params` of tests/conftest.py (random, biases and gates include
 the materialising path in float32 (an independent formula: logits, softmax, weighted sum).
 cuDNN computes in bfloat16, so it is held to what the same path computed in bfloat16
 achieves: its error against the float32 reference may be at most 2x that of 'xla' in
-bfloat16, plus a little.
+bfloat16, plus a little. 'pallas' is held to the same in bfloat16, and in float32 (IEEE
+products) to float32 rounding against the reference at HIGHEST precision.
+
+Written without a GPU at hand for the collaborative and 'pallas' cases (issue 23): the next
+GPU session runs them first.
 """
 
 import functools
@@ -21,14 +26,18 @@ import pytest
 
 from lowrank_attn import attention as A
 from lowrank_attn import models
+from lowrank_attn.attention import fused
 
 pytestmark = pytest.mark.gpu
 
-KINDS = {  # what cuDNN can compute (collaborative and talking heads are refused)
+KINDS = {  # what cuDNN and 'pallas' compute (talking heads is refused)
     'concat': dict(),
     'grouped_query': dict(num_kv_heads=2),
     'fixed_head': dict(kind='fixed_head', head_dim=128),
     'gated': dict(gated=True),
+    # key_dim D/4 (+ 4 content-bias columns) against values 64 wide: cuDNN's "mla" path where
+    # `fused.cudnn_accepts_value_width()`, else zero-padded to equal widths.
+    'collaborative': dict(kind='collaborative', key_dim=64),
 }
 B, L, D, H = 2, 256, 256, 4  # head_dim 64
 
@@ -50,12 +59,15 @@ def make_mask(kind, rng, length):
   return jnp.asarray(mask)
 
 
-@functools.partial(jax.jit, static_argnames=('spec', 'implementation', 'is_causal', 'dtype'))
-def loss_and_grads(params, x, mask, *, spec, implementation, is_causal, dtype):
+@functools.partial(jax.jit, static_argnames=('spec', 'implementation', 'is_causal', 'dtype',
+                                             'precision'))
+def loss_and_grads(params, x, mask, segment_ids=None, *, spec, implementation, is_causal, dtype,
+                   precision=None):
   def loss(params, x):
     params = jax.tree.map(lambda p: p.astype(dtype), params)
     out = A.multi_head_attention(params, x.astype(dtype), spec=spec, mask=mask,
-                                 is_causal=is_causal, implementation=implementation).out
+                                 segment_ids=segment_ids, is_causal=is_causal,
+                                 implementation=implementation, precision=precision).out
     return jnp.sum(jnp.sin(out.astype(jnp.float32))), out.astype(jnp.float32)
   (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
   return out, grads
@@ -76,16 +88,21 @@ def max_error(result, reference):
              relative_error(input_grads, input_ref))
 
 
+def layer_inputs(kind, length, make_params):
+  """The spec of `kind`, random parameters, inputs `[B, length, D]` and the rng that made them."""
+  spec = A.AttentionSpec(num_heads=H, in_features=D, **KINDS[kind])
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((B, length, D)), jnp.float32)
+  return spec, make_params(spec, seed=0), x, rng
+
+
 @pytest.mark.parametrize('length', [L, L - 1], ids=['even', 'odd'])  # cuDNN: even with a mask
 @pytest.mark.parametrize('is_causal', [False, True], ids=['full', 'causal'])
 @pytest.mark.parametrize('mask_kind', [None, 'padding', 'full'])
 @pytest.mark.parametrize('kind', KINDS)
 def test_cudnn_equals_the_materialising_path(kind, mask_kind, is_causal, length, make_params):
   """Outputs, parameter gradients and input gradients."""
-  spec = A.AttentionSpec(num_heads=H, in_features=D, **KINDS[kind])
-  params = make_params(spec, seed=0)
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((B, length, D)), jnp.float32)
+  spec, params, x, rng = layer_inputs(kind, length, make_params)
   mask = make_mask(mask_kind, rng, length)
   run = functools.partial(loss_and_grads, params, x, mask, spec=spec, is_causal=is_causal)
   reference = run(implementation='xla', dtype=jnp.float32)
@@ -152,3 +169,52 @@ def test_decoder_lm_with_cudnn_attention():
   (loss, grads), (xla_loss, xla_grads) = value_and_grads(model), value_and_grads(xla)
   np.testing.assert_allclose(loss, xla_loss, rtol=1e-2)
   assert relative_error(grads, xla_grads) < 0.05
+
+
+def test_which_cudnn_path_collaborative_takes():
+  """Not a pass/fail of the machine's versions: records them next to the decision."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  version, capability = cudnn.check_cudnn_version(), jax.devices()[0].compute_capability
+  expected = version >= 91000 and tuple(map(int, capability.split('.'))) >= (9, 0)
+  assert fused.cudnn_accepts_value_width() is expected, (version, capability)
+
+
+# ------------------------------------------------------------------ our Pallas kernel
+
+
+def make_segments(length):
+  """Example 0: two packed segments; example 1: half padding (0)."""
+  ids = np.ones((B, length), np.int32)
+  ids[0, length // 3:] = 2
+  ids[1, length // 2:] = 0
+  return jnp.asarray(ids)
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+@pytest.mark.parametrize('length', [L, L - 1], ids=['even', 'odd'])
+@pytest.mark.parametrize('is_causal', [False, True], ids=['full', 'causal'])
+@pytest.mark.parametrize('kind', KINDS)
+def test_pallas_equals_the_materialising_path(kind, is_causal, length, dtype, make_params):
+  """Outputs, parameter gradients and input gradients, with packed segments and padding."""
+  spec, params, x, _ = layer_inputs(kind, length, make_params)
+  ids = make_segments(length)
+  run = functools.partial(loss_and_grads, params, x, spec=spec, is_causal=is_causal)
+  reference = run(A.segment_mask(ids, ids), implementation='xla', dtype=jnp.float32,
+                  precision=jax.lax.Precision.HIGHEST)
+  pallas = run(None, (ids, ids), implementation='pallas', dtype=jnp.dtype(dtype))
+  if dtype == 'float32':
+    assert max_error(pallas, reference) < 1e-4
+  else:
+    bf16_error = max_error(run(A.segment_mask(ids, ids), implementation='xla',
+                               dtype=jnp.bfloat16), reference)
+    assert max_error(pallas, reference) <= 2 * bf16_error + 1e-3
+
+
+def test_the_compiled_program_calls_our_triton_kernel(make_params):
+  spec = A.AttentionSpec(num_heads=H, in_features=D, kind='collaborative', key_dim=64)
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), make_params(spec, seed=0))
+  x = jnp.ones((B, L, D), jnp.bfloat16)
+  fn = lambda p, x: A.multi_head_attention(p, x, spec=spec, is_causal=True,
+                                           implementation='pallas').out
+  text = jax.jit(jax.grad(lambda p, x: jnp.sum(fn(p, x)))).lower(params, x).compile().as_text()
+  assert 'triton' in text.lower() and 'cudnn$fmha' not in text.lower()
