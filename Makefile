@@ -10,7 +10,7 @@ ifneq ($(wildcard ../shared/data/.),)
 export LOWRANK_ATTN_DATA ?= $(abspath ../shared/data)
 endif
 
-.PHONY: train test test-unit test-all test-gpu test-tpu bench format venv
+.PHONY: train test test-unit test-all test-gpu test-tpu bench format format-check venv
 
 venv: $(STAMP)
 
@@ -73,5 +73,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/input_pipeline.py --num_batches=500
 
 # pyink (the flax examples' formatter) with the settings in pyproject.toml.
+FORMATTED := lowrank_attn tests experiments benchmarks configs tpu setup.py
 format: $(STAMP)
-	$(VENV)/bin/pyink lowrank_attn tests experiments benchmarks configs tpu setup.py
+	$(VENV)/bin/pyink $(FORMATTED)
+
+# Changes nothing: lists the files `make format` would change and fails if there are any.
+format-check: $(STAMP)
+	$(VENV)/bin/pyink --check $(FORMATTED)

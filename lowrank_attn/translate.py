@@ -17,8 +17,10 @@ Behaviour: an empty line gives an empty line; a line longer than the model's sou
 `--reference=FILE` prints sacreBLEU's BLEU (cased, 13a tokenization of the detokenized text,
 with its signature) and chrF against FILE. Everything but the translations goes to stderr:
 a progress bar, the speed (sentences/s) and the share of the time spent outside the jitted
-search. A missing run directory, one without checkpoints or an unknown --step ends with one
-line on stderr and exit status 2.
+search. Bad input ends with one line on stderr and exit status 2, before anything is
+translated: a missing run directory, one without checkpoints, an unknown --step, a config.json
+that is not a translation run's training config, an --output that is a directory or cannot be
+written.
 
 Compiled searches are cached in --compilation_cache (default ~/.cache/lowrank_attn/jax), so a
 second call on the same run with the same settings does not compile again.
@@ -28,6 +30,7 @@ import dataclasses
 import gzip
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -91,6 +94,22 @@ def read_lines(path: str, what: str) -> list[str]:
   if not text:
     return []
   return [line.removesuffix('\r') for line in text.removesuffix('\n').split('\n')]
+
+
+def check_output(path: str) -> None:
+  """UsageError unless a file can be written at `path` (checked before translating anything)."""
+  full = os.path.abspath(os.path.expanduser(path))
+  directory = os.path.dirname(full)
+  if os.path.isdir(full):
+    raise UsageError(f'--output={path} is a directory; name a file (in it, say).')
+  if not os.path.isdir(directory):
+    raise UsageError(f'--output={path}: no directory {directory}.')
+  try:  # written, not asked (os.access): root passes permission checks, not a read-only disk
+    fd, probe = tempfile.mkstemp(prefix='.write_test_', dir=directory)
+    os.close(fd)
+    os.unlink(probe)
+  except OSError as e:
+    raise UsageError(f'--output={path}: cannot write in {directory}: {e.strerror}.') from None
 
 
 def run_config(workdir: str):
@@ -220,9 +239,8 @@ def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-
     if value is not None and value < 1:
       raise UsageError(f'--{name}={value} must be >= 1.')
   if output_path != '-':
+    check_output(output_path)
     output_path = os.path.abspath(os.path.expanduser(output_path))
-    if not os.path.isdir(os.path.dirname(output_path)):
-      raise UsageError(f'--output={output_path}: no directory {os.path.dirname(output_path)}.')
 
   import jax
   if compilation_cache:

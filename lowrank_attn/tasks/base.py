@@ -7,6 +7,8 @@ module-level `TASK` (found by `lowrank_attn.tasks.get`), plus a data builder and
 Evaluators (after big_vision's `evaluators/`) are objects made once per run by
 `Task.evaluators(context)`; each runs during training on the eval split (cheap, maybe on part
 of it) and at the end on whole splits, adding metrics (and text files, e.g. translations).
+An evaluator stops between batches when a stop is requested (preemption, Ctrl-C): it reads
+its batches through `EvalContext.batches`, or calls `EvalContext.check_stop` itself.
 """
 
 from __future__ import annotations
@@ -27,14 +29,36 @@ Batch = Mapping[str, Array]
 PyTree = Any
 
 
+class EvalStopped(Exception):
+  """An evaluation stopped between batches because a stop was requested (`EvalContext`)."""
+
+
 @dataclasses.dataclass
 class EvalContext:
   """What an evaluator may use: the run's `Setup` (mesh, config, graphdef), the compiled
-  `eval_step(params, batch) -> sums`, the tokenizer."""
+  `eval_step(params, batch) -> sums`, the tokenizer, and `stop_requested() -> bool` (a
+  preemption or Ctrl-C arrived: the evaluation is abandoned, and rerun when the run resumes)."""
 
   setup: Any  # lowrank_attn.train.state.Setup
   eval_step: Callable[[PyTree, Batch], dict[str, Array]]
   tokenizer: Any
+  stop_requested: Callable[[], bool] = lambda: False
+
+  def check_stop(self, *_) -> None:
+    """Raises EvalStopped if a stop was requested (any arguments are ignored, so that it can
+    serve as a progress callback)."""
+    if self.stop_requested():
+      raise EvalStopped()
+
+  def batches(self, pipeline, num_batches: int = -1):
+    """`pipeline` from its start, up to `num_batches` batches (-1: all), checking for a stop
+    request before each batch."""
+    pipeline.reset()
+    for i, batch in enumerate(pipeline):
+      if num_batches > 0 and i >= num_batches:
+        return
+      self.check_stop()
+      yield batch
 
 
 @dataclasses.dataclass
@@ -75,10 +99,7 @@ class LossEvaluator(Evaluator):
   def evaluate(self, params, pipeline, num_batches):
     s = self.context.setup
     totals = None
-    pipeline.reset()
-    for i, batch in enumerate(pipeline):
-      if num_batches > 0 and i >= num_batches:
-        break
+    for batch in self.context.batches(pipeline, num_batches):
       with s.activate():
         sums = self.context.eval_step(params, s.global_batch(batch))
       totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
@@ -157,6 +178,7 @@ class Task:
     settings: config groups the task adds, `{name: frozen dataclass}` (`config.<name>`),
       each validated by building it.
     check_config: `config -> None`, raises ValueError naming a field the task cannot use.
+    model_class: the class `create_model` builds (how analyses find a model's task).
   """
 
   name: str
@@ -172,6 +194,7 @@ class Task:
   final_splits: Callable[[Any], dict[str, str]] = lambda config: {}
   settings: Mapping[str, type] = dataclasses.field(default_factory=dict)
   check_config: Callable[[Any], None] = lambda config: None
+  model_class: type | None = None
 
   @property
   def layer_fields(self) -> tuple[str, ...]:

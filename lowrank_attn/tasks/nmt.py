@@ -153,8 +153,8 @@ class BleuEvaluator(base.Evaluator):
     s = self.context.setup
     if s.config.decode.num_examples == 0:
       return {}
-    pipeline.reset()
-    return decode.bleu(s, params, pipeline, self.context.tokenizer, s.config.decode)
+    return decode.bleu(s, params, self.context.batches(pipeline), self.context.tokenizer,
+                       s.config.decode)
 
   def final(self, params, pipeline, name):
     from lowrank_attn.train import decode  # pylint: disable=g-import-not-at-top
@@ -173,7 +173,8 @@ class BleuEvaluator(base.Evaluator):
     examples = [pipeline.data_source[i] for i in range(len(pipeline.data_source))]
     sources = [e[source].decode('utf-8') for e in examples]
     references = [e[target].decode('utf-8') for e in examples]
-    translations = translator.translate(sources)
+    self.context.check_stop()
+    translations = translator.translate(sources, progress=self.context.check_stop)
     scores = decode.score(translations.texts, references)
     bleu_key = 'bleu' if config.decode.beam_size > 1 else 'bleu_greedy'
     metrics = {bleu_key: scores['bleu'], 'chrf': scores['chrf'],
@@ -217,4 +218,5 @@ TASK = base.Task(
     final_splits=lambda config: {'validation': 'validation', 'test': 'test'},
     settings={'decode': DecodeConfig},
     check_config=_check_config,
+    model_class=models.EncoderDecoder,
 )

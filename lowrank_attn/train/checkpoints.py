@@ -10,12 +10,29 @@ finished writing it (it writes to `<step>.orbax-checkpoint-tmp-*` and renames on
 run killed mid-save leaves a temporary directory that is ignored and deleted at the next start
 (`cleanup_tmp_directories`). The state and the data position are committed together in one step
 directory, and dropout keys are `fold_in(seed, step)`, so nothing else needs saving.
+
+Faults:
+  a damaged step directory (a truncated array file, an empty directory, garbage JSON) is
+    skipped at restore: the newest checkpoint that restores is used, and the damaged ones newer
+    than it are moved, never deleted, to `<workdir>/damaged_checkpoints/<step>`, so that later
+    saves of those steps do not collide with them (`Checkpointer.restore_latest`);
+  a failed save (disk full) stops the run at that save with one line naming it and the last
+    good checkpoint (`CheckpointError`); old checkpoints are deleted only after a newer save
+    has committed, so a failed save never costs the last good one (`Checkpointer.check`);
+  two runs on one workdir: the first holds `<workdir>/lock` (`WorkdirLock`), the second stops.
 """
 
 from collections.abc import Mapping
+import datetime
+import errno
+import fcntl
 import json
+import logging as std_logging
 import os
+import shutil
 import signal
+import socket
+import sys
 import threading
 from typing import Any
 
@@ -27,6 +44,40 @@ import orbax.checkpoint as ocp
 
 # The run directory's layout and file writer are `lowrank_attn.runs`' (stdlib only there).
 from lowrank_attn.runs import CHECKPOINT_DIR, CONFIG_FILE, write_atomic
+
+DAMAGED_DIR = 'damaged_checkpoints'  # <workdir>/damaged_checkpoints/<step>: moved aside
+LOCK_FILE = 'lock'  # <workdir>/lock: who runs in this workdir (`WorkdirLock`)
+
+
+class CheckpointError(RuntimeError):
+  """A save failed (the run stops at it), or no checkpoint of the run could be restored."""
+
+
+class CheckpointMismatchError(ValueError):
+  """The checkpoint is intact but does not fit this run (e.g. another number of hosts)."""
+
+
+def _one_line(error: BaseException) -> str:
+  """`Type: first line of the message`, at most 300 characters (Orbax and TensorStore errors
+  run to many lines)."""
+  text = str(error).strip().splitlines()
+  text = text[0] if text else ''
+  if isinstance(error, OSError) and error.errno is not None and error.strerror:
+    text = f'[Errno {error.errno}] {error.strerror}' + (
+        f': {error.filename!r}' if error.filename else '')
+  return f'{type(error).__name__}: {text[:300]}'
+
+
+class _QuietBackgroundSaveErrors(std_logging.Filter):
+  """Drops Orbax's own error logs (tracebacks) of a failed background save: `Checkpointer`
+  reports the failure itself, in one line, when it stops the run."""
+
+  def filter(self, record):
+    if record.levelno < std_logging.ERROR or 'orbax' not in (record.pathname or ''):
+      return True
+    message = str(record.msg)
+    return not ('Handler Commit operations' in message or 'Save Finalize thread' in message
+                or 'Checkpointer failed' in message)
 
 
 def _gather_data_states(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -42,20 +93,31 @@ def _gather_data_states(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Checkpointer:
-  """Saves and restores (train state, data position) with an Orbax `CheckpointManager`."""
+  """Saves and restores (train state, data position) with an Orbax `CheckpointManager`.
+
+  Keeps the newest `keep` committed checkpoints. Orbax's own garbage collection is off: it
+  deletes old steps when a save starts, before that save is known to have committed, so a
+  failed save could leave none. Here old steps go only once a newer one has committed.
+  """
 
   def __init__(self, workdir: str, *, keep: int = 3, async_save: bool = True):
     if keep < 1:
       raise ValueError(f'config.keep_checkpoints={keep} must be >= 1.')
-    self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, CHECKPOINT_DIR)
+    self.keep = keep
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+        preservation_policy=ocp.checkpoint_managers.preservation_policy.PreserveAll(),
         enable_async_checkpointing=async_save,
         # Leftovers of a save interrupted by a kill are deleted, never restored.
         cleanup_tmp_directories=True,
         create=True)
     self._manager = ocp.CheckpointManager(
         self.directory, item_names=('state', 'data'), options=options)
+    self._pending: int | None = None  # the step of a save not yet known to have committed
+    self.last_good: int | None = self._manager.latest_step()
+    self._quiet = _QuietBackgroundSaveErrors()
+    std_logging.getLogger('absl').addFilter(self._quiet)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -64,14 +126,51 @@ class Checkpointer:
     """Starts saving `state` at `step` (asynchronously); False if that step already exists.
 
     Returns once the arrays are copied off the devices, so the caller may donate `state`.
+    Raises CheckpointError if this save, or the previous one, failed.
     """
+    self._settle()  # Orbax waits for the previous save anyway; a failure of it stops here
     if step in self._manager.all_steps():
       return False
-    return self._manager.save(
-        step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                data=ocp.args.JsonSave(_gather_data_states(data_state))),
-        force=True)
+    try:
+      started = self._manager.save(
+          step,
+          args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  data=ocp.args.JsonSave(_gather_data_states(data_state))),
+          force=True)
+    except Exception as e:  # the synchronous part (a synchronous save: all of it)
+      raise CheckpointError(self._failed(step, e)) from e
+    self._pending = step
+    return started
+
+  def check(self) -> None:
+    """Raises CheckpointError if the save in flight has failed; never waits for one.
+
+    Called between steps, so that a failed background save (disk full) stops the run at once,
+    not at the next save."""
+    if self._pending is not None and not self._manager.is_saving_in_progress():
+      self._settle()
+
+  def _settle(self) -> None:
+    """Waits for the save in flight; on success deletes the steps beyond the newest `keep`."""
+    if self._pending is None:
+      return
+    step, self._pending = self._pending, None
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:
+      raise CheckpointError(self._failed(step, e)) from e
+    self.last_good = step
+    for old in sorted(self._manager.all_steps())[:-self.keep]:
+      self._manager.delete(old)
+
+  def _failed(self, step: int, error: BaseException) -> str:
+    last = (f'the last good checkpoint is step {self.last_good}' if self.last_good is not None
+            else 'no checkpoint was committed')
+    hint = ' (disk full: free space, then rerun to resume)' if (
+        isinstance(error, OSError) and error.errno == errno.ENOSPC
+        or 'No space left' in str(error)) else ''
+    return (f'saving checkpoint step {step} to {self.directory} failed: {_one_line(error)}'
+            f'{hint}; {last}.')
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
     """The state at `step`, laid out as `abstract_state`'s shardings (any mesh), and this
@@ -81,19 +180,81 @@ class Checkpointer:
                                       data=ocp.args.JsonRestore()))
     data = restored['data']
     key = str(jax.process_index())
+    if not isinstance(data, Mapping) or any(not isinstance(v, Mapping) for v in data.values()):
+      raise ValueError(f'the input positions are not a mapping of processes: {data!r:.100}')
     if len(data) != jax.process_count() or key not in data:
-      raise ValueError(
+      raise CheckpointMismatchError(
           f'checkpoint step {step} holds input positions of {len(data)} processes, but this run '
           f'has {jax.process_count()}: resume with the same number of hosts.')
     return restored['state'], data[key]
 
+  def restore_latest(self, abstract_state: Any
+                     ) -> tuple[int | None, Any, dict[str, Any] | None, list[str]]:
+    """`(step, state, data position, skipped)` of the newest checkpoint that restores; `(None,
+    None, None, [])` if there is none.
+
+    A checkpoint that fails to restore (damaged: a truncated array file, an empty or half-copied
+    step directory, garbage JSON) is skipped, and once an older one has restored, every skipped
+    one is moved to `<workdir>/damaged_checkpoints/<step>` (never deleted): a later save of that
+    step must not collide with it, nor garbage collection remove it. `skipped` says, one line
+    each, which step was skipped, why, and where it went. If no checkpoint restores (e.g. the
+    config changed), nothing is moved and CheckpointError names each step's error.
+    """
+    failures = []
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        state, data_state = self.restore(step, abstract_state)
+        error = None
+      except CheckpointMismatchError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except  (damage of any kind)
+        error = e
+      if jax.process_count() > 1:  # every host read its own shards: all must have succeeded
+        ok = multihost_utils.process_allgather(np.array(error is None))
+        if error is None and not np.all(ok):
+          error = RuntimeError('another host could not read its part')
+      if error is None:
+        skipped = [f'checkpoint step {s} is damaged ({reason}); skipped it and moved it to '
+                   f'{self._move_aside(s)}' for s, reason in failures]
+        if failures:
+          if jax.process_count() > 1:
+            multihost_utils.sync_global_devices('checkpoints: damaged moved aside')
+          self._manager.reload()
+        self.last_good = step
+        return step, state, data_state, skipped
+      failures.append((step, _one_line(error)))
+    if failures:
+      raise CheckpointError(
+          f'no checkpoint in {self.directory} could be restored (if the config changed since '
+          'they were written, rerun with the old config or use a new --workdir): '
+          + '; '.join(f'step {s}: {reason}' for s, reason in failures))
+    return None, None, None, []
+
+  def _move_aside(self, step: int) -> str:
+    """Moves step directory `step` to `<workdir>/damaged_checkpoints/<step>[.<n>]` (process 0)."""
+    base = os.path.join(self.workdir, DAMAGED_DIR, str(step))
+    target, n = base, 1
+    while os.path.exists(target):
+      target, n = f'{base}.{n}', n + 1
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      shutil.move(os.path.join(self.directory, str(step)), target)
+    return target
+
   def wait(self) -> None:
-    """Blocks until pending asynchronous saves are committed."""
-    self._manager.wait_until_finished()
+    """Blocks until pending asynchronous saves are committed (CheckpointError if one failed)."""
+    self._settle()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for the save in flight (CheckpointError if it failed), then closes."""
+    try:
+      self._settle()
+    finally:
+      try:
+        self._manager.close()
+      except Exception:  # pylint: disable=broad-except  (the failure was reported above)
+        pass
+      std_logging.getLogger('absl').removeFilter(self._quiet)
 
 
 def load_state(workdir: str, step: int | None = None) -> tuple[int, Any]:
@@ -146,31 +307,90 @@ def save_config(workdir: str, config_dict: Mapping[str, Any]) -> str:
 
 
 class PreemptionWatcher:
-  """Turns SIGTERM (TPU / Kubernetes preemption notice) into "save at the next step".
+  """Turns SIGTERM (TPU / Kubernetes preemption notice) and SIGINT (Ctrl-C) into "stop at the
+  next safe point": between training steps (the loop saves the state first), between
+  evaluation batches (`requested`, polled by the evaluators). A second signal exits at once,
+  without waiting for anything (exit 128 + its number).
 
   Multi-host: every host must agree on the step, so JAX's distributed preemption sync point is
-  used (it also listens for SIGTERM); single host: a local flag set by the signal handler.
+  used (it listens for SIGTERM itself) and evaluations are not interrupted (hosts could stop at
+  different batches); single host: a local flag set by the signal handler.
   """
 
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
   def __init__(self):
-    self._event = threading.Event()
-    self._previous = None
-    self._installed = False
+    self.signum: int | None = None  # the first signal received
+    self._previous = {}
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-      self._installed = True
+      for signum in self.SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._handle)
 
   def _handle(self, signum, frame):
-    del signum, frame
-    logging.warning('SIGTERM received: saving a checkpoint after the current step, then exiting.')
-    self._event.set()
+    del frame
+    name = signal.Signals(signum).name
+    if self.signum is not None:
+      print(f'{name} again: exiting now, without saving.', file=sys.stderr, flush=True)
+      os._exit(128 + signum)  # pylint: disable=protected-access
+    self.signum = signum
+    logging.warning('%s received: saving a checkpoint at the next step boundary (or stopping '
+                    'the evaluation), then exiting. Send it again to exit at once.', name)
+
+  @property
+  def exit_status(self) -> int:
+    """128 + the signal: 143 for SIGTERM, 130 for SIGINT (Ctrl-C)."""
+    return 128 + (self.signum or signal.SIGTERM)
+
+  def requested(self) -> bool:
+    """A signal arrived (single host; multi-host: False, see the class docstring)."""
+    return jax.process_count() == 1 and self.signum is not None
 
   def reached(self, step: int) -> bool:
     if jax.process_count() > 1:
       return multihost_utils.reached_preemption_sync_point(step)
-    return self._event.is_set()
+    return self.signum is not None
 
   def close(self) -> None:
-    if self._installed:
-      signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
-      self._installed = False
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+    self._previous = {}
+
+
+class WorkdirBusyError(RuntimeError):
+  """Another process runs in this workdir."""
+
+
+class WorkdirLock:
+  """One run per workdir: an exclusive `flock` on `<workdir>/lock` (process 0 only), which holds
+  the holder's host, pid and start time. The kernel releases it when the process ends however
+  it ends (a crash, SIGKILL), so a stale file never blocks a later run.
+  """
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self._fd = None
+    if jax.process_index() != 0:
+      return
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        os.close(fd)
+        raise
+      holder = os.pread(fd, 1000, 0).decode(errors='replace').strip() or 'a process'
+      os.close(fd)
+      raise WorkdirBusyError(
+          f'{workdir} is in use by another run ({holder}, lock {self.path}); wait for it to '
+          'end, stop it, or pass another --workdir.') from None
+    now = datetime.datetime.now().astimezone().isoformat(timespec='seconds')
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f'pid {os.getpid()} on host {socket.gethostname()}, started {now}\n'.encode(), 0)
+    self._fd = fd
+
+  def release(self) -> None:
+    """Unlocks (the file stays: deleting it would race with a run opening it)."""
+    if self._fd is not None:
+      fcntl.flock(self._fd, fcntl.LOCK_UN)
+      os.close(self._fd)
+      self._fd = None

@@ -6,6 +6,12 @@ pipelines' `element_spec` with explicit shardings (`lowrank_attn.train.state`).
 Exactness of resume rests on: the dropout key of step s is `fold_in(key(seed + 1), s)`; the
 input position is checkpointed with the state; a NaN/inf step is detected before any
 checkpoint after it is written (metrics are checked before every save).
+
+Stopping: SIGTERM (preemption) or SIGINT (Ctrl-C) is honoured in every phase: between training
+steps the state is saved; during an evaluation (periodic or final) the evaluators stop between
+batches, the state of that step is saved (if it is not already) and the evaluation reruns when
+the run resumes. A run is finished when its final evaluation is recorded
+(`final_eval/<num_train_steps>/metrics.json`); started again, it says so and does nothing.
 """
 
 import dataclasses
@@ -22,6 +28,7 @@ import numpy as np
 
 from lowrank_attn import data as data_lib
 from lowrank_attn import runs, sharding, tasks as tasks_lib
+from lowrank_attn.tasks.base import EvalStopped
 from lowrank_attn.train import checkpoints, config as config_lib, metrics as metrics_lib
 from lowrank_attn.train import state as state_lib
 
@@ -33,12 +40,21 @@ class NonFiniteError(FloatingPointError):
 
 
 class Preempted(Exception):
-  """SIGTERM / preemption: a checkpoint was saved at `step` and the run stopped."""
+  """SIGTERM (preemption) or SIGINT (Ctrl-C): the checkpoint of `step` is committed and the run
+  stopped; `exit_status` is 128 + the signal (143 or 130)."""
 
-  def __init__(self, step: int, directory: str):
-    super().__init__(f'preempted: saved step {step} to {directory}; rerun the same command '
-                     'to resume.')
+  def __init__(self, step: int, directory: str, *, during: str = '', exit_status: int = 143,
+               saved: bool = True):
+    what = 'interrupted' if exit_status == 130 else 'preempted'
+    where = f' ({during})' if during else ''
+    if saved:
+      message = (f'{what}: saved step {step} to {directory}{where}; rerun the same command '
+                 'to resume.')
+    else:
+      message = f'{what} before the first step{where}: nothing to save.'
+    super().__init__(message)
     self.step = step
+    self.exit_status = exit_status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +95,14 @@ def _initialize_distributed(config) -> None:
     logging.warning('jax.distributed.initialize() failed (%s); continuing as a single host.', e)
 
 
-def _peak_flops(config, dtype) -> metrics_lib.PeakFlops:
-  """Peak FLOP/s of all devices, saying where the per-device figure came from: the config,
-  the chip's published peak (TPU) or measured matmuls (`metrics.peak_flops_per_device`)."""
+def _peak_flops(config, dtype) -> metrics_lib.PeakFlops | None:
+  """Peak FLOP/s of all devices, saying where the per-device figure came from: the config or
+  the device's published peak (`metrics.peak_flops_per_device`); None without either."""
   per_device = config.peak_flops_per_device
   if per_device is None:
     per_device = metrics_lib.peak_flops_per_device(dtype)
+    if per_device is None:  # CPU: achieved FLOP/s only, no MFU
+      return None
   else:
     per_device = metrics_lib.PeakFlops(per_device, 'config.peak_flops_per_device')
   return metrics_lib.PeakFlops(per_device * jax.device_count(),
@@ -120,19 +138,51 @@ def _summarise(host: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains (resuming from `<workdir>/checkpoints` if present) and evaluates.
+  """Trains (resuming from the newest intact checkpoint in `<workdir>/checkpoints`) and
+  evaluates; one run per workdir (`checkpoints.WorkdirLock`).
 
   Returns `{'step', 'train': last train metrics, 'eval': last eval metrics, 'throughput':
   steps/s, tokens/s and MFU of the timed steps, 'vocab_size', 'final': {split name: metrics}}`.
   'final' is the evaluation at num_train_steps (`_evaluate_final`): the task's final splits
   (`Task.final_splits`: validation and test for translation, validation for GLUE) and every
   `data.extra_test_files` entry (each under its name, also in metrics.jsonl as that split).
-  Raises `NonFiniteError` on a NaN/inf loss or gradient norm, `Preempted` after SIGTERM.
+  A finished run (its final evaluation recorded) returns at once `{'step', 'final',
+  'already_finished': True}` and empty 'train', 'eval', 'throughput'.
+  Raises `NonFiniteError` on a NaN/inf loss or gradient norm, `Preempted` after SIGTERM or
+  SIGINT, `checkpoints.CheckpointError` when a save fails or no checkpoint restores,
+  `checkpoints.WorkdirBusyError` when another process runs in `workdir`.
   """
   config_lib.validate(config)
   _initialize_distributed(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
+  lock = checkpoints.WorkdirLock(workdir)  # before any data work: a second run stops here
+  try:
+    tensorboard = os.path.join(workdir, metrics_lib.TENSORBOARD_DIR)
+    metrics_lib.say(f'run directory {workdir}; TensorBoard: tensorboard --logdir {tensorboard}')
+    finished = _finished(config, workdir)
+    if finished is not None:
+      return finished
+    return _train_and_evaluate(config, workdir)
+  finally:
+    lock.release()
+
+
+def _finished(config, workdir: str) -> dict[str, Any] | None:
+  """The result of a finished run (its final evaluation recorded), read without building
+  anything (no data, no compile); None if the run is not finished."""
+  step = config.num_train_steps
+  recorded = _recorded_final(workdir, step, list(_final_splits(config)))
+  if recorded is None:
+    return None
+  path = os.path.join(workdir, FINAL_EVAL_DIR, str(step), 'metrics.json')
+  metrics_lib.say(f'already finished at step {step}: nothing to do (its final evaluation: '
+                  f'{path}).')
+  return {'step': step, 'train': {}, 'eval': {}, 'throughput': {}, 'final': recorded,
+          'already_finished': True}
+
+
+def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
 
   # A micro-batch is per_device_batch_size rows per device; a step takes grad_accum_steps.
   batch_size = config.per_device_batch_size * jax.device_count()
@@ -158,39 +208,64 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   checkpoints.save_config(workdir, config_lib.to_dict(config))
   writer = metrics_lib.MetricWriter(workdir)
   preemption = checkpoints.PreemptionWatcher()
-  evaluators = s.task.make_evaluators(tasks_lib.EvalContext(s, eval_step, tokenizer))
+  evaluators = s.task.make_evaluators(tasks_lib.EvalContext(
+      s, eval_step, tokenizer, stop_requested=preemption.requested))
   try:
     state, start_step = _start(s, checkpointer, train_data, writer)
     evaluate_all = lambda params: _evaluate_all(evaluators, params, eval_data,
                                                 config.num_eval_steps)
     result, state = _train_loop(s, state, start_step, train_step, evaluate_all, train_data,
                                 checkpointer, writer, preemption)
+    step = result['step']
     result['final'] = {}
-    if result['step'] == config.num_train_steps and final_data:
-      recorded = _recorded_final(workdir, result['step'], list(final_data))
-      if recorded is None:  # not yet (also: a run killed during its final evaluation)
-        recorded = _evaluate_final(evaluators, state['params'], final_data, workdir,
-                                   result['step'], writer)
+    if step == config.num_train_steps:
+      # Not yet recorded: the first time, or a run stopped during its final evaluation. With
+      # no split to evaluate it records {}: the mark of a finished run (`_finished`).
+      recorded = _recorded_final(workdir, step, list(final_data))
+      if recorded is None:
+        try:
+          recorded = _evaluate_final(evaluators, state['params'], final_data, workdir, step,
+                                     writer)
+        except EvalStopped:
+          raise _stop(preemption, checkpointer, step, state, train_data,
+                      'during the final evaluation, which reruns on resume') from None
       result['final'] = recorded
+      tensorboard = os.path.join(workdir, metrics_lib.TENSORBOARD_DIR)
+      metrics_lib.say(f'finished at step {step}: outputs in {workdir}; TensorBoard: '
+                      f'tensorboard --logdir {tensorboard}')
     return result
   finally:
-    preemption.close()
-    checkpointer.close()  # waits for an in-flight save: the last good checkpoint is complete
-    writer.close()
+    try:
+      checkpointer.close()  # waits for an in-flight save: the last good checkpoint is complete
+    finally:
+      writer.close()
+      preemption.close()  # last: a second signal while waiting above still exits at once
+
+
+def _stop(preemption, checkpointer, step: int, state, train_data, during: str) -> Preempted:
+  """After a stop request: saves `state` as step `step` (unless that step is committed or being
+  saved already), waits until it is committed; the exception to raise."""
+  checkpointer.save(step, state, train_data.get_state())
+  checkpointer.wait()
+  return Preempted(step, checkpointer.directory, during=during,
+                   exit_status=preemption.exit_status)
 
 
 def _start(s, checkpointer, train_data, writer):
-  """(state, first step): restored from the latest checkpoint, or created (warm-started)."""
-  latest = checkpointer.latest_step()
+  """(state, first step): restored from the newest intact checkpoint (damaged newer ones are
+  skipped and moved aside, one line each), or created (warm-started)."""
+  latest, state, data_state, skipped = checkpointer.restore_latest(s.abstract_state)
+  for line in skipped:
+    metrics_lib.say(line)
   if latest is None:
     writer.write_hparams(config_lib.to_dict(s.config))  # once per run, not per resume
     state = state_lib.create_state(s)
   else:
-    state, data_state = checkpointer.restore(latest, s.abstract_state)
     train_data.set_state(data_state)
     metrics_lib.say(f'resumed from step {latest} ({checkpointer.directory})')
   metrics_lib.say(f'model: {s.config.task}, '
                   f'{sharding.describe(state["params"], s.state_shardings["params"])}')
+  metrics_lib.say(f'numerics: {s.model_cfg.describe_numerics()}')
   return state, latest or 0
 
 
@@ -199,8 +274,8 @@ def _progress(s, train_data) -> metrics_lib.Progress:
   shapes = state_lib.element_shapes(train_data.element_spec, jax.process_count())
   flops_per_step = s.step_flops(shapes)
   peak = _peak_flops(config, s.model_cfg.compute_dtype)
-  metrics_lib.say(f'{flops_per_step / 1e9:.2f} GFLOP per step (3x forward matmuls), peak '
-                  f'{peak / 1e9:,.0f} GFLOP/s ({peak.source})')
+  metrics_lib.say(f'{flops_per_step / 1e9:.2f} GFLOP per step (3x forward matmuls), '
+                  f'{metrics_lib.describe_peak(peak)}')
   return metrics_lib.Progress(
       num_train_steps=config.num_train_steps,
       tokens_per_step=int(np.prod(shapes['inputs'][:2])), flops_per_step=flops_per_step,
@@ -216,14 +291,31 @@ def _train_loop(s, state, start_step, train_step, evaluate_all, train_data, chec
   last_train: dict[str, float] = {}
   last_eval: dict[str, float] = {}
   last_saved = start_step or None
+  stop = lambda step, during: _stop(preemption, checkpointer, step, state, train_data, during)
+  if start_step and Due.after(config, start_step, first=False, show=False).eval and (
+      not _eval_recorded(checkpointer.workdir, start_step)):
+    # The run stopped (or was killed) during this step's evaluation: it is done now.
+    metrics_lib.say(f'evaluating step {start_step}: the run stopped before its evaluation '
+                    'was recorded')
+    try:
+      last_eval = evaluate_all(state['params'])
+    except EvalStopped:
+      raise stop(start_step, f'during the evaluation at step {start_step}, which reruns '
+                 'on resume') from None
+    writer.write_scalars(start_step, 'eval', last_eval)
+    writer.flush()
+    metrics_lib.say(f'eval at step {start_step}: ' + '  '.join(
+        f'{k} {v:.4g}' for k, v in last_eval.items()))
   progress.resume()
   for step in range(start_step, config.num_train_steps):
+    checkpointer.check()  # a failed background save (disk full) stops the run here
     if preemption.reached(step):
       progress.pause()
       _host_metrics(pending, checkpointer.directory, last_saved)
-      checkpointer.save(step, state, train_data.get_state())
-      checkpointer.wait()
-      raise Preempted(step, checkpointer.directory)
+      if step == 0:  # nothing trained yet: nothing to save
+        raise Preempted(0, checkpointer.directory, exit_status=preemption.exit_status,
+                        saved=False)
+      raise stop(step, f'at step {step}' if step > start_step else 'before its first step')
     if len(pending) >= config.max_steps_in_flight:  # bound how far dispatch runs ahead
       jax.block_until_ready(pending[-config.max_steps_in_flight][1])
     batch = s.global_batch(next(train_data))
@@ -251,7 +343,11 @@ def _train_loop(s, state, start_step, train_step, evaluate_all, train_data, chec
       checkpointer.save(done, state, train_data.get_state())
       last_saved = done
     if due.eval:
-      last_eval = evaluate_all(state['params'])
+      try:
+        last_eval = evaluate_all(state['params'])
+      except EvalStopped:
+        raise stop(done, f'during the evaluation at step {done}, which reruns on '
+                   'resume') from None
       writer.write_scalars(done, 'eval', last_eval)
       metrics_lib.say(f'eval at step {done}: ' + '  '.join(
           f'{k} {v:.4g}' for k, v in last_eval.items()))
@@ -260,7 +356,8 @@ def _train_loop(s, state, start_step, train_step, evaluate_all, train_data, chec
 
   total = progress.rates(window=False)
   if total:
-    metrics_lib.say(f'done: {total["steps_per_sec"]:.2f} steps/s, MFU {100 * total["mfu"]:.1f}% '
+    metrics_lib.say(f'done: {total["steps_per_sec"]:.2f} steps/s, '
+                    f'{metrics_lib.format_throughput(total)} '
                     '(evaluation and checkpointing excluded)')
   return {'step': int(jax.device_get(state['step'])), 'train': last_train, 'eval': last_eval,
           'throughput': total, 'vocab_size': s.model_cfg.vocab_size}, state
@@ -295,17 +392,37 @@ def _final_splits(config) -> dict[str, str]:
   return {**splits, **extra}
 
 
+def _eval_recorded(workdir: str, step: int) -> bool:
+  """Whether metrics.jsonl holds the evaluation of `step` (process 0 reads, all agree)."""
+  found = False
+  if jax.process_index() == 0:
+    path = os.path.join(workdir, metrics_lib.METRICS_FILE)
+    if os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          try:
+            record = json.loads(line)
+          except json.JSONDecodeError:  # a line cut by a kill
+            continue
+          if record.get('split') == 'eval' and record.get('step') == step:
+            found = True
+            break
+  if jax.process_count() > 1:
+    found = bool(multihost_utils.broadcast_one_to_all(np.array(found)))
+  return found
+
+
 def _recorded_final(workdir: str, step: int, names: list[str]) -> dict[str, dict] | None:
   """The final evaluation of `step` as it was saved, if it covered every split of `names` (a
   finished run started again), else None (also after a kill during the final evaluation).
   Process 0 decides, the others follow (and return {})."""
-  found = {}
+  found, complete = {}, False
   if jax.process_index() == 0:
     path = os.path.join(workdir, FINAL_EVAL_DIR, str(step), 'metrics.json')
-    if os.path.exists(path):
+    if os.path.exists(path):  # (with no split to evaluate: {}, the mark of a finished run)
       with open(path) as f:
         found = json.load(f)
-  complete = set(names) <= set(found)
+      complete = set(names) <= set(found)
   if jax.process_count() > 1:
     complete = bool(multihost_utils.broadcast_one_to_all(np.array(complete)))
   return {name: found.get(name, {}) for name in names} if complete else None

