@@ -18,9 +18,10 @@ and donation, one-device mesh); the baseline is `nnx.Embed` + `nnx.MultiHeadAtte
 (ours, flax, ours, ...) so background load hits both alike; the median step time is reported.
 
 MFU = (3 x forward matmul FLOPs of the model, from the layers' analytic counts) / step time /
-peak, the peak of `metrics.peak_flops_per_device` (a TPU chip's published peak; elsewhere the
-best of several float32 matmuls measured at the start of the same run), printed with its source
-and the achieved GFLOP/s, so the division can be redone with another peak.
+peak, the peak of `metrics.peak_flops_per_device` (a TPU chip's or NVIDIA GPU's published bf16
+peak), printed with its source and the achieved GFLOP/s, so the division can be redone with
+another peak; on CPU (no published peak) the achieved GFLOP/s only. Both models compute in
+float32 (config.model.dtype pinned: its default 'auto' would be bfloat16 on an accelerator).
 """
 
 import argparse
@@ -47,6 +48,7 @@ def our_config(args):
   config.model.max_length = args.length
   config.model.dropout_rate = 0.0
   config.model.tie_embeddings = False
+  config.model.dtype = 'float32'  # as the flax baseline
   config.data.max_length = args.length
   config.per_device_batch_size = args.batch
   config.mesh.data = 1
@@ -152,6 +154,7 @@ def nmt_setup(args):
   """(config, flax model, batch) for `--nmt_config`: the config's sizes and batch shape."""
   config = config_lib.load(args.nmt_config)
   config.model.dropout_rate = 0.0  # both models without dropout: the same math
+  config.model.dtype = 'float32'  # as the flax baseline
   config.mesh.data = 1
   m, rows, length = config.model, config.per_device_batch_size, config.data.max_length
   heads = m.attention.num_heads
@@ -200,7 +203,7 @@ def main():
 
   devices = jax.devices()[:1]
   per_device_peak = metrics.peak_flops_per_device(jnp.float32, devices[0])
-  peak = per_device_peak * len(devices)
+  peak = per_device_peak and per_device_peak * len(devices)  # None: no published peak
   if args.nmt_config:
     config, model, batch, vocab = nmt_setup(args)
   else:
@@ -247,7 +250,7 @@ def main():
   print(f'{platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, '
         f'jax {jax.__version__}; {args.nmt_config or "decoder LM"}: {layers}, D={m.emb_dim}, '
         f'{m.attention.num_heads} heads, batch {batch["inputs"].shape}, vocab {vocab}, float32')
-  print(f'peak: {peak / 1e9:,.0f} GFLOP/s ({per_device_peak.source}); training step: '
+  print(f'{metrics.describe_peak(per_device_peak)}; training step: '
         f'{flops / 1e9:.1f} GFLOP (3x forward matmuls)')
   print(f'parameters: ours {ours_params:,}, flax {flax_params:,}')
   print(f'{"model":8} {"step ms":>8} {"tokens/s":>10} {"GFLOP/s":>8} {"MFU":>6}')
@@ -255,7 +258,8 @@ def main():
   for name, values in times.items():
     medians[name] = statistics.median(values)
     print(f'{name:8} {1e3 * medians[name]:8.1f} {tokens / medians[name]:10,.0f} '
-          f'{flops / medians[name] / 1e9:8.1f} {100 * flops / medians[name] / peak:5.1f}%')
+          f'{flops / medians[name] / 1e9:8.1f} '
+          + (f'{100 * flops / medians[name] / peak:5.1f}%' if peak else '     -'))
   print(f'ours / flax throughput: {medians["flax"] / medians["ours"]:.2f}x '
         f'(> 1: ours faster); median of {repeats} interleaved steps each')
 

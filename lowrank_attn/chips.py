@@ -1,14 +1,19 @@
-"""Cloud TPU chips: memory, peak bf16 FLOP/s, and how gcloud names their slices.
+"""Accelerators' published peaks: Cloud TPU chips (memory, peak bf16 FLOP/s, how gcloud names
+their slices) and NVIDIA data-centre GPUs (peak dense bf16 FLOP/s).
 
     chip = chips.chip_of(jax.devices()[0].device_kind)   # 'TPU v5 lite' -> CHIPS['v5e']
     slice_ = chips.parse_accelerator_type('v5litepod-16')  # 16 chips on 4 hosts
+    gpu = chips.gpu_of('NVIDIA H100 80GB HBM3')           # GPUS['h100_sxm']
 
 Peak, memory and memory bandwidth per chip are Google's published figures (the `source` of
 each entry: the "Peak compute per chip (bf16)", HBM capacity and HBM bandwidth rows of the
 Cloud TPU system-architecture pages, read 2025). HBM is stored in GiB: the pages write "GB",
 and a chip's HBM is a power of two GiB, except v5p's 95. These peaks are what MFU divides by
 on TPU (`lowrank_attn.train.metrics`); the scripts of tpu/ (launch, AOT compile) read the
-slice names and HBM from here too. Plain Python, no JAX: importing it costs nothing.
+slice names and HBM from here too. GPU peaks are NVIDIA's datasheet figures for dense bf16
+Tensor Core math (the datasheets print "with sparsity" figures, twice these). A device in
+neither table has no published peak here: the training loop then prints achieved FLOP/s and
+no MFU. Plain Python, no JAX: importing it costs nothing.
 """
 
 import dataclasses
@@ -102,3 +107,45 @@ def parse_accelerator_type(accelerator_type: str) -> Slice:
   else:
     num_hosts = num_chips // chip.chips_per_host
   return Slice(f'{prefix}-{count}', chip, num_chips, num_hosts)
+
+
+# ------------------------------------------------------------------------------ GPUs
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+  name: str  # our short name: 'h100_sxm', 'a100', ...
+  peak_bf16_flops: float  # dense bf16 Tensor Core FLOP/s (the datasheet's sparse figure / 2)
+  device_kind: str  # regular expression over jax's `Device.device_kind` (the CUDA name)
+  source: str
+
+
+GPUS = {
+    'h100_sxm': Gpu('h100_sxm', 989.5e12, r'H100 (80GB HBM3|SXM)',
+                    'https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM: BF16 Tensor '
+                    'Core 1,979 TFLOPS with sparsity)'),
+    'h100_pcie': Gpu('h100_pcie', 756.5e12, r'H100 PCIe',
+                     'https://www.nvidia.com/en-us/data-center/h100/ (H100 PCIe: BF16 Tensor '
+                     'Core 1,513 TFLOPS with sparsity)'),
+    'h100_nvl': Gpu('h100_nvl', 835.5e12, r'H100 NVL',
+                    'https://www.nvidia.com/en-us/data-center/h100/ (H100 NVL: BF16 Tensor '
+                    'Core 1,671 TFLOPS with sparsity)'),
+    'h200_sxm': Gpu('h200_sxm', 989.5e12, r'H200(?! NVL)',
+                    'https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM: BF16 Tensor '
+                    'Core 1,979 TFLOPS with sparsity)'),
+    'h200_nvl': Gpu('h200_nvl', 835.5e12, r'H200 NVL',
+                    'https://www.nvidia.com/en-us/data-center/h200/ (H200 NVL: BF16 Tensor '
+                    'Core 1,671 TFLOPS with sparsity)'),
+    'a100': Gpu('a100', 312e12, r'A100',  # SXM and PCIe, 40 and 80 GB
+                'https://www.nvidia.com/en-us/data-center/a100/ (A100: BF16 Tensor Core '
+                '312 TFLOPS, 624 with sparsity)'),
+}
+
+
+def gpu_of(device_kind: str) -> Gpu | None:
+  """The GPU of a jax `Device.device_kind` ('NVIDIA H100 80GB HBM3', 'NVIDIA A100-SXM4-40GB',
+  ...), or None for one not in `GPUS`."""
+  for gpu in GPUS.values():
+    if re.search(gpu.device_kind, device_kind):
+      return gpu
+  return None

@@ -1,4 +1,4 @@
-"""lowrank_attn/chips.py: the TPU chip table and gcloud's accelerator types."""
+"""lowrank_attn/chips.py: the TPU chip table, gcloud's accelerator types, the GPU table."""
 
 import pytest
 
@@ -21,3 +21,21 @@ def test_chip_table():
   for chip in chips.CHIPS.values():
     assert chip.source.startswith('https://cloud.google.com/tpu/docs/')
     assert 100e12 < chip.peak_bf16_flops < 1e15 and 16 * 2**30 <= chip.hbm_bytes
+
+
+@pytest.mark.parametrize('device_kind, gpu, tflops', [
+    # jax's device_kind is the CUDA device name.
+    ('NVIDIA H100 80GB HBM3', 'h100_sxm', 989.5), ('NVIDIA H100 PCIe', 'h100_pcie', 756.5),
+    ('NVIDIA H100 NVL', 'h100_nvl', 835.5), ('NVIDIA H200', 'h200_sxm', 989.5),
+    ('NVIDIA H200 NVL', 'h200_nvl', 835.5), ('NVIDIA A100-SXM4-80GB', 'a100', 312),
+    ('NVIDIA A100-PCIE-40GB', 'a100', 312), ('NVIDIA A100 80GB PCIe', 'a100', 312)])
+def test_gpu_table(device_kind, gpu, tflops):
+  """Dense bf16 peaks: half the datasheets' "with sparsity" figures (A100's 312 is dense)."""
+  found = chips.gpu_of(device_kind)
+  assert (found.name, found.peak_bf16_flops) == (gpu, tflops * 1e12)
+  assert found.source.startswith('https://www.nvidia.com/en-us/data-center/')
+
+
+def test_unknown_devices_have_no_published_peak():
+  for kind in ('NVIDIA GeForce RTX 4090', 'Tesla V100-SXM2-16GB', 'cpu', 'TPU v5 lite'):
+    assert chips.gpu_of(kind) is None

@@ -8,6 +8,9 @@ before (projections, decoding cache) and after (head masks, gates, output projec
 with the materialising path of `kernels.py` ('xla'), which never comes here.
 
 Implementations (`PLATFORMS`: the backend each needs):
+  'auto'       the default: `choose_implementation` picks one of the others per call (the
+               'auto' table below), checked by `check_implementation`, logged once.
+  'xla'        materialises the weights `[batch, heads, q, kv]` (`kernels.py`).
   'blockwise'  pure JAX, any backend, O(length) memory (`blockwise.py`).
   'cudnn'      GPU: cuDNN's fused attention (`fused.py`), bfloat16/float16 only.
   'pallas'     GPU: our own Pallas (Triton) flash-attention kernel (`pallas_gpu.py`), any float
@@ -43,8 +46,42 @@ Masks: a boolean mask broadcastable to `[batch..., heads, q, kv]`; pass `is_caus
 than a causal mask (the kernels build it per block). Segment ids (query, key; 0 = padding) stand
 for `core.segment_mask` of them: 'splash' takes the ids, the others that mask. A query that sees
 no key outputs 0, never NaN.
+
+The 'auto' table (`choose_implementation`): the rows in order; in a row the candidates in order;
+the first candidate that `check_implementation` accepts for the call computes it:
+
+  1. needs the weights, logits or a decoding cache    'xla' (the only one that can)
+  2. rows of >= FUSED_MIN_LENGTH queries and keys:
+       TPU                                            'splash'
+       GPU                                            'cudnn': bfloat16/float16, head widths
+                                                        <= 256; collaborative only where cuDNN
+                                                        takes values of their own width
+                                                      'pallas': what cuDNN refuses (float32,
+                                                        collaborative, wider heads)
+  3. float32 weights [batch, heads, q, kv] of         'xla'
+     <= MATERIALISE_MAX_BYTES (CPU: and rows of
+     < CPU_BLOCKWISE_MIN_LENGTH keys)
+  4. otherwise                                        'blockwise'
+
+What no fused kernel computes (talking_heads, attention dropout, a boolean mask for 'splash' or
+'pallas', which take segment ids) falls to rows 3-4. Why these rows:
+- Fused before 'xla' on GPU: on an H100 (benchmarks/results/attention_long_gpu.md, bfloat16,
+  causal fwd+bwd) cuDNN took 0.65-0.14x the time of 'xla' at L = 512-4096. Below 512 keys and
+  for 'pallas' and 'splash': not measured; FUSED_MIN_LENGTH = 128 is one splash block (shorter
+  rows are mostly padding there) and two of 'pallas'' 64-key blocks: below it a fused kernel has
+  next to nothing to tile.
+- 'xla' before 'blockwise' off CPU: on the H100 'xla' was 2.5x faster than 'blockwise' at every
+  length it fit (512-4096), so 'blockwise' is only for memory.
+- CPU: 'blockwise' was 1.5x faster than 'xla' at L = 512 and 2.3x at 4096 on 2 x86 cores
+  (benchmarks/results/attention_long.md); at the 128-256 rows of our CPU configs 'xla' stays
+  (their losses are bitwise those of implementation='xla').
+- MATERIALISE_MAX_BYTES = 1 GiB of float32 weights `[batch, heads, q, kv]` per layer: training
+  keeps logits and weights of every layer for the backward pass (~2x this per layer, 'xla' at
+  L = 4096, batch 8, 8 heads needed 10 GB of temporaries for one layer), so beyond it a
+  6-layer model's attention alone would fill a 16 GiB v5e.
 """
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 
@@ -65,6 +102,9 @@ def check_implementation(implementation: str, spec: AttentionSpec, *, block_size
                          dtype=None, platform: str | None = None) -> None:
   """ValueError naming the setting unless `implementation` can compute this call on `platform`
   (None: `jax.default_backend()`)."""
+  if implementation == 'auto':
+    raise ValueError("implementation='auto' stands for another implementation: resolve it with "
+                     'choose_implementation first.')
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'implementation={implementation!r} is not one of {IMPLEMENTATIONS}.')
   if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
@@ -108,6 +148,81 @@ def check_implementation(implementation: str, spec: AttentionSpec, *, block_size
   if unsupported:
     raise ValueError(f'implementation={implementation!r} does not support '
                      f"{', '.join(unsupported)}; use implementation='blockwise'.")
+
+
+# The 'auto' table (see the module docstring): thresholds, and the candidates per platform.
+FUSED_MIN_LENGTH = 128  # keys per row from which a fused kernel is preferred
+CPU_BLOCKWISE_MIN_LENGTH = 512  # keys per row from which 'blockwise' beats 'xla' on XLA:CPU
+MATERIALISE_MAX_BYTES = 2**30  # float32 weights [batch, heads, q, kv] 'xla' may materialise
+FUSED = {'tpu': ('splash',), 'gpu': ('cudnn', 'pallas'), 'cpu': ()}
+
+
+def weights_bytes(spec: AttentionSpec, batch: int, q_length: int, kv_length: int) -> int:
+  """Bytes of the float32 weights `[batch, heads, q, kv]` 'xla' materialises (talking heads:
+  the larger of its logit and output head counts)."""
+  heads = max(spec.num_heads, spec.query_heads)
+  return 4 * batch * heads * q_length * kv_length
+
+
+def choose_implementation(spec: AttentionSpec, *, q_length: int, kv_length: int,
+                          batch: int = 1, dtype=None, platform: str | None = None,
+                          mask: bool = False, return_weights: bool = False,
+                          return_logits: bool = False, dropout: bool = False,
+                          cache: bool = False) -> str:
+  """The implementation 'auto' stands for: the first row of the 'auto' table (module
+  docstring) that holds and that `check_implementation` accepts for this call.
+
+  batch: the product of the batch dimensions; q_length, kv_length: the call's lengths (with a
+  cache, the cache's); dtype: the computation dtype (None: float32); platform: the backend
+  compiled for (None: `jax.default_backend()`); the flags as `check_implementation`'s.
+  """
+  platform = platform or jax.default_backend()
+  checked = dict(return_weights=return_weights, return_logits=return_logits, dropout=dropout,
+                 mask=mask, cache=cache, dtype=dtype, platform=platform)
+  if return_weights or return_logits or cache:
+    return 'xla'
+  candidates = []
+  if min(q_length, kv_length) >= FUSED_MIN_LENGTH:
+    candidates += [name for name in FUSED.get(platform, ())
+                   if name != 'cudnn' or _cudnn_is_fastest(spec)]
+  fits = weights_bytes(spec, batch, q_length, kv_length) <= MATERIALISE_MAX_BYTES
+  if fits and (platform != 'cpu' or kv_length < CPU_BLOCKWISE_MIN_LENGTH):
+    candidates.append('xla')
+  for name in (*candidates, 'blockwise'):
+    try:
+      check_implementation(name, spec, **checked)
+    except ValueError:
+      continue
+    return name
+  return 'xla'  # only a call 'blockwise' cannot compute comes here; 'xla' computes any
+
+
+def _cudnn_is_fastest(spec: AttentionSpec) -> bool:
+  """cuDNN for collaborative attention only where it computes the values at their own width:
+  otherwise it pads the narrower of keys and values to the wider (exact, but the product pays
+  for the zero columns) and 'pallas' computes the same without them."""
+  if spec.kind != 'collaborative':
+    return True
+  key_width = spec.key_dim + (spec.num_heads if spec.use_bias else 0)
+  widths = fused.cudnn_widths(key_width, spec.head_dim, mla=False)
+  return widths == fused.cudnn_widths(key_width, spec.head_dim, mla=True) or (
+      fused.cudnn_accepts_value_width())
+
+
+_logged: set[str] = set()
+
+
+def log_choice(name: str, implementation: str, *, platform: str | None, dtype,
+               q_length: int, kv_length: int) -> None:
+  """Logs 'attention: encoder self-attention -> cudnn (gpu, bfloat16, L=512)', once per
+  process for each distinct line (every layer of a model makes the same choice)."""
+  lengths = f'L={q_length}' if q_length == kv_length else f'q={q_length}, kv={kv_length}'
+  dtype_name = jnp.dtype(dtype).name if dtype is not None else 'float32'
+  line = (f'attention: {name} -> {implementation} ({platform or jax.default_backend()}, '
+          f'{dtype_name}, {lengths})')
+  if line not in _logged:
+    _logged.add(line)
+    logging.info('%s', line)
 
 
 def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Array, value: Array,

@@ -250,6 +250,7 @@ def multi_head_attention(
     implementation: str | None = None,
     block_size: int | None = None,
     platform: str | None = None,
+    name: str | None = None,
 ) -> AttentionOutput:
   """Multi-head attention of kind `spec.kind`.
 
@@ -287,12 +288,14 @@ def multi_head_attention(
     implementation: 'xla' materialises `[batch..., heads, q_length, kv_length]`; 'blockwise'
       computes the same in O(length) memory (online softmax over key blocks, recomputing
       backward; dropout masks differ); 'cudnn', 'pallas' (GPU) and 'splash' (TPU) call fused
-      kernels where the kind allows. See `lowrank_attn.attention.dispatch`. Default:
-      `spec.implementation`, or 'xla' with a cache (a decoding step's logits are O(length),
-      and the fused kernels take no cache).
+      kernels where the kind allows; 'auto' the one `dispatch.choose_implementation` picks for
+      this call. See `lowrank_attn.attention.dispatch`. Default: `spec.implementation`, or
+      'xla' with a cache (a decoding step's logits are O(length), and the fused kernels take
+      no cache).
     block_size: queries and keys per block of 'blockwise'; default `spec.block_size`.
-    platform: the backend 'cudnn'/'pallas'/'splash' are checked against; default `spec.platform`
-      (None: `jax.default_backend()`).
+    platform: the backend 'auto' chooses for and 'cudnn'/'pallas'/'splash' are checked
+      against; default `spec.platform` (None: `jax.default_backend()`).
+    name: what an 'auto' choice is logged as ('encoder self-attention'); None: not logged.
   """
   if implementation is None:
     implementation = 'xla' if cache is not None else spec.implementation
@@ -311,10 +314,20 @@ def multi_head_attention(
   if dtype is None:
     dtype = jnp.result_type(inputs_q, inputs_k, inputs_v,
                             *(v for name, v in params.items() if name != 'gate_log_alpha'))
-  dispatch.check_implementation(
-      implementation, spec, block_size=block_size, return_weights=return_weights,
-      return_logits=return_logits, dropout=not deterministic and dropout_rate > 0.0,
-      mask=mask is not None, cache=cache is not None, dtype=dtype, platform=platform)
+  options = dict(return_weights=return_weights, return_logits=return_logits,
+                 dropout=not deterministic and dropout_rate > 0.0, mask=mask is not None,
+                 cache=cache is not None, dtype=dtype, platform=platform)
+  if implementation == 'auto':
+    q_length = inputs_q.shape[-2]
+    kv_length = cache['value'].shape[inputs_q.ndim - 2] if cache is not None else (
+        inputs_k.shape[-2])
+    implementation = dispatch.choose_implementation(
+        spec, q_length=q_length, kv_length=kv_length, batch=math.prod(inputs_q.shape[:-2]),
+        **options)
+    if name is not None and cache is None:
+      dispatch.log_choice(name, implementation, platform=platform, dtype=dtype,
+                          q_length=q_length, kv_length=kv_length)
+  dispatch.check_implementation(implementation, spec, block_size=block_size, **options)
   # Gate parameters stay float32: they only enter through float32 sigmoids.
   params = {name: value if name == 'gate_log_alpha' else jnp.asarray(value, dtype)
             for name, value in params.items()}

@@ -26,8 +26,9 @@ def _require_int(name: str, value, minimum: int = 1, note: str = '') -> None:
 
 
 MIXING_INITS = ('concatenate', 'all_ones', 'random')
-# How the softmax(QK^T)V part is computed (see `lowrank_attn.attention.dispatch`).
-IMPLEMENTATIONS = ('xla', 'blockwise', 'cudnn', 'pallas', 'splash')
+# How the softmax(QK^T)V part is computed (see `lowrank_attn.attention.dispatch`); 'auto'
+# stands for one of the others, chosen per call.
+IMPLEMENTATIONS = ('auto', 'xla', 'blockwise', 'cudnn', 'pallas', 'splash')
 # The backends `jax.default_backend()` names, which 'cudnn', 'pallas' and 'splash' are checked
 # against.
 PLATFORMS = ('cpu', 'gpu', 'tpu')
@@ -121,6 +122,10 @@ class AttentionSpec:
     implementation: how the attention weights and their weighted sum are computed; every
       implementation gives the same outputs and gradients (up to rounding), only time and
       memory differ (`lowrank_attn.attention.dispatch`):
+      'auto' (default): per call, the fastest of the others that can compute it on `platform`
+        for its dtype, shapes and options (the table in `dispatch`: 'splash' on TPU, 'cudnn'
+        then 'pallas' on GPU, 'xla' for short rows and what needs the weights, 'blockwise'
+        where the weights would not fit), logged once per model.
       'xla': materialises the logits `[batch, heads, q_length, kv_length]` (the only one that
         can return attention weights or logits).
       'blockwise': any backend, in O(length) memory: key blocks with an online softmax and a
@@ -131,10 +136,10 @@ class AttentionSpec:
         backend that runs them).
       Decoding with a cache always computes as 'xla' (a step's logits are O(length)).
     block_size: queries and keys per block of 'blockwise'.
-    platform: the backend 'cudnn', 'pallas' and 'splash' are checked against, one of
-      PLATFORMS; None: `jax.default_backend()` at the call. 'tpu' to compile for a TPU on a
-      machine without one (tpu/compile.py); 'gpu'/'tpu' to run 'pallas'/'splash' in Pallas'
-      CPU interpreter (tests).
+    platform: the backend 'auto' chooses for and 'cudnn', 'pallas' and 'splash' are checked
+      against, one of PLATFORMS; None: `jax.default_backend()` at the call. 'tpu' to compile
+      for a TPU on a machine without one (tpu/compile.py); 'gpu'/'tpu' to run 'pallas'/'splash'
+      in Pallas' CPU interpreter (tests). The models' 'auto' dtype follows it too.
   """
 
   num_heads: int | tuple[int, ...]
@@ -156,7 +161,7 @@ class AttentionSpec:
   gate_stretch: tuple[float, float] = HardConcrete.stretch
   gate_log_alpha_init: float | str = 3.0
   num_logit_heads: int | tuple[int, ...] | None = None
-  implementation: str = 'xla'
+  implementation: str = 'auto'
   block_size: int = DEFAULT_BLOCK_SIZE
   platform: str | None = None
 

@@ -3,7 +3,9 @@ from which the training config's `model` fields are derived (`lowrank_attn.train
 """
 
 import dataclasses
+import inspect
 
+import jax
 import jax.numpy as jnp
 
 from lowrank_attn.attention import AttentionSpec
@@ -13,7 +15,33 @@ NORMS = ('pre', 'post')
 POSITIONS = ('learned', 'sinusoidal')
 ACTIVATIONS = ('gelu', 'gelu_exact', 'relu')  # gelu: tanh approximation; BERT: gelu_exact
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+# dtype='auto' per backend: bfloat16 where the matrix units run it at full rate (TPU MXU, GPU
+# tensor cores: 2x float32's TF32 rate and half its bytes), float32 on CPU, where XLA computes
+# bfloat16 products no faster (and converts around them).
+AUTO_DTYPES = {'tpu': 'bfloat16', 'gpu': 'bfloat16', 'cpu': 'float32'}
+
+
+def _is_policy(name: str) -> bool:
+  """Whether `jax.checkpoint_policies.<name>` is a policy itself, called as
+  `policy(prim, *avals, **params)`, not a factory of policies (`save_only_these_names(*names)`,
+  whose arguments a name cannot give)."""
+  parameters = inspect.signature(getattr(jax.checkpoint_policies, name)).parameters.values()
+  return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+# remat: 'none' (keep every activation for the backward pass), 'full' (keep only each block's
+# input; recompute the rest), or a jax checkpoint policy by name: what it may keep
+# ('dots_saveable': matrix products' outputs, recomputing the elementwise work between them).
+REMAT_POLICIES = ('none', 'full', *sorted(
+    name for name in dir(jax.checkpoint_policies) if not name.startswith('_') and _is_policy(name)))
 DEFAULT_ATTENTION = AttentionSpec(num_heads=8)
+
+
+def remat_policy(remat: str):
+  """`jax.checkpoint`'s policy for a `remat` setting other than 'none' (None: save nothing)."""
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f'remat={remat!r} is not one of {REMAT_POLICIES}.')
+  return None if remat in ('none', 'full') else getattr(jax.checkpoint_policies, remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +73,16 @@ class TransformerConfig:
   scale_embeddings: bool = True  # multiply token embeddings by sqrt(emb_dim) (Vaswani)
   type_vocab_size: int = 0  # BERT token-type (segment A/B) embeddings; 0: none
   layer_norm_epsilon: float = 1e-6
-  dtype: str = 'float32'  # computation dtype: 'float32' | 'bfloat16' (mixed precision)
+  # Computation dtype: 'auto' | 'float32' | 'bfloat16'. 'auto': bfloat16 on TPU and GPU,
+  # float32 on CPU (`AUTO_DTYPES`), for the backend of `platform`. Under bfloat16 the
+  # parameters (param_dtype), output logits, softmax and LayerNorm statistics and the loss stay
+  # float32 (mixed precision).
+  dtype: str = 'auto'
   param_dtype: str = 'float32'
+  # Rematerialisation around each transformer block (`REMAT_POLICIES`): 'none', 'full' or the
+  # name of a `jax.checkpoint_policies` policy such as 'dots_saveable'. Less activation memory
+  # for a recomputed forward pass in the backward pass; the same loss and gradients.
+  remat: str = 'none'
 
   def __post_init__(self):
     for name in ('vocab_size', 'emb_dim', 'mlp_dim', 'max_length'):
@@ -64,12 +100,14 @@ class TransformerConfig:
         raise ValueError(f'{name}={value!r} is not one of {valid}.')
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f'dropout_rate={self.dropout_rate!r} must be in [0, 1).')
-    for name in ('dtype', 'param_dtype'):
+    for name, valid in (('dtype', ('auto', *DTYPES)), ('param_dtype', tuple(DTYPES))):
       value = getattr(self, name)
       if not isinstance(value, str):  # a jnp dtype: store its name (JSON, hashing)
         object.__setattr__(self, name, jnp.dtype(value).name)
-      if getattr(self, name) not in DTYPES:
-        raise ValueError(f'{name}={value!r} is not one of {tuple(DTYPES)}.')
+      if getattr(self, name) not in valid:
+        raise ValueError(f'{name}={value!r} is not one of {valid}.')
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f'remat={self.remat!r} is not one of {REMAT_POLICIES}.')
     # Every layer's attention must be buildable: fail here, not deep inside a model.
     for attention_type in ATTENTION_TYPES:
       field = f'{attention_type}_attention'
@@ -93,8 +131,31 @@ class TransformerConfig:
           raise ValueError(f'{field} (layer {layer}): {e}') from None
 
   @property
+  def platform(self) -> str:
+    """The backend the model is built for: its attention's `platform` where set (AOT
+    compilation for a TPU, tpu/compile.py), else `jax.default_backend()`."""
+    for attention_type in ATTENTION_TYPES:
+      platform = getattr(self, f'{attention_type}_attention').platform
+      if platform is not None:
+        return platform
+    return jax.default_backend()
+
+  @property
+  def resolved_dtype(self) -> str:
+    """The computation dtype's name, 'auto' resolved for `platform`."""
+    return AUTO_DTYPES[self.platform] if self.dtype == 'auto' else self.dtype
+
+  @property
   def compute_dtype(self):
-    return DTYPES[self.dtype]
+    return DTYPES[self.resolved_dtype]
+
+  def describe_numerics(self) -> str:
+    """One line for the start of a run: 'compute bfloat16 (dtype=auto on gpu), parameters
+    float32, logits, softmax statistics and loss float32; remat none'."""
+    how = f'dtype=auto on {self.platform}' if self.dtype == 'auto' else f'dtype={self.dtype}'
+    return (f'compute {self.resolved_dtype} ({how}), parameters {self.param_dtype}, logits, '
+            f'softmax statistics and loss float32; remat {self.remat}')
+
 
   @property
   def parameter_dtype(self):

@@ -77,7 +77,11 @@ class TokenEmbedding(nnx.Module):
     return self.embed(tokens) * jnp.asarray(self.scale, self.embed.dtype or jnp.float32)
 
   def attend(self, x: Array) -> Array:
-    y = self.embed.attend(x.reshape(-1, x.shape[-1]))  # 2-D: see dense_2d
+    """float32 logits `[..., vocab]`: `embed.attend`, accumulated and returned in float32
+    whatever the computation dtype (bfloat16 logits would be rounded to 3 significant digits)."""
+    query, embedding = self.embed.promote_dtype((x.reshape(-1, x.shape[-1]),  # 2-D: dense_2d
+                                                 self.embed.embedding[...]), dtype=self.embed.dtype)
+    y = jnp.dot(query, embedding.T, preferred_element_type=jnp.float32)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -136,12 +140,17 @@ class Mlp(nnx.Module):
     return dense_2d(self.wo, h)
 
 
+# What each attention type's 'auto' implementation is logged as.
+ATTENTION_NAMES = {'encoder': 'encoder self-attention', 'decoder': 'decoder self-attention',
+                   'cross': 'cross-attention'}
+
+
 def make_attention(cfg: TransformerConfig, attention_type: str, layer: int, *,
                    rngs: nnx.Rngs) -> MultiHeadAttention:
   return MultiHeadAttention.from_spec(
       cfg.attention(attention_type, layer), dtype=cfg.compute_dtype,
       param_dtype=cfg.parameter_dtype, broadcast_dropout=False, keep_rngs=False,
-      rngs=rngs)  # rngs come with each call
+      log_name=ATTENTION_NAMES[attention_type], rngs=rngs)  # rngs come with each call
 
 
 class TransformerLayer(nnx.Module):

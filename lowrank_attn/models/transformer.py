@@ -29,7 +29,7 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from lowrank_attn.models.config import TransformerConfig
+from lowrank_attn.models.config import TransformerConfig, remat_policy
 from lowrank_attn.models.layers import (
     ACTIVATIONS, InputEmbedding, LayerNorm, TokenEmbedding, TransformerLayer, dense_2d)
 from lowrank_attn.nn import MultiHeadAttention
@@ -67,12 +67,14 @@ def _mlp_flops(cfg: TransformerConfig, tokens: int) -> int:
 class Stack(nnx.Module):
   """Input embedding, `num_layers` transformer layers, final LayerNorm (pre-LN only).
 
-  A 'decoder' stack's self-attention is causal.
+  A 'decoder' stack's self-attention is causal. With `cfg.remat` other than 'none' each layer
+  runs under `nnx.remat` (`jax.checkpoint`) with that policy, except when decoding.
   """
 
   def __init__(self, cfg: TransformerConfig, attention_type: str, num_layers: int,
                tokens: TokenEmbedding, *, cross: bool = False, rngs: nnx.Rngs):
     self.attention_type = attention_type
+    self.remat = cfg.remat
     self.embedding = InputEmbedding(cfg, tokens, rngs=rngs)
     self.layers = nnx.List([TransformerLayer(cfg, attention_type, i, cross, rngs=rngs)
                             for i in range(num_layers)])
@@ -89,14 +91,20 @@ class Stack(nnx.Module):
     x = self.embedding(tokens, positions, token_types, deterministic=deterministic, rngs=rngs)
     names = {'self': self.attention_type, 'cross': 'cross'}
     collected = {'attention_weights': {}, 'attention_logits': {}}
+
+    def run(layer, x, arrays, rngs):  # arrays as arguments, Python values closed over
+      return layer(x, **arrays, is_causal=self.attention_type == 'decoder',
+                   deterministic=deterministic, rngs=rngs, decode=decode,
+                   return_weights=return_weights, return_logits=return_logits)
+    if self.remat != 'none' and not decode:  # recomputed in the backward pass, block by block
+      run = nnx.remat(run, policy=remat_policy(self.remat))
+
     for i, layer in enumerate(self.layers):
-      x, extras = layer(
-          x, mask=mask, segment_ids=segment_ids, is_causal=self.attention_type == 'decoder',
-          encoded=encoded, cross_mask=cross_mask, cross_segment_ids=cross_segment_ids,
-          deterministic=deterministic, rngs=rngs, decode=decode,
-          return_weights=return_weights, return_logits=return_logits,
-          head_masks=(_layer_mask(head_masks, self.attention_type, i),
-                      _layer_mask(head_masks, 'cross', i)))
+      arrays = dict(mask=mask, segment_ids=segment_ids, encoded=encoded, cross_mask=cross_mask,
+                    cross_segment_ids=cross_segment_ids,
+                    head_masks=(_layer_mask(head_masks, self.attention_type, i),
+                                _layer_mask(head_masks, 'cross', i)))
+      x, extras = run(layer, x, arrays, rngs)
       for what, per_name in (('attention_weights', extras['weights']),
                              ('attention_logits', extras['logits'])):
         for name, value in per_name.items():
@@ -149,9 +157,11 @@ class _Model(nnx.Module):
   def _init_output(self, cfg: TransformerConfig, rngs: nnx.Rngs):
     self.cfg = cfg
     self.tokens = TokenEmbedding(cfg, rngs=rngs)
+    # Logits in float32 under any computation dtype: the products accumulate in float32 and
+    # are not rounded to bfloat16 on the way out.
     self.output = None if cfg.tie_embeddings else nnx.Linear(
         cfg.emb_dim, cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
-        param_dtype=cfg.parameter_dtype, rngs=rngs,
+        param_dtype=cfg.parameter_dtype, preferred_element_type=jnp.float32, rngs=rngs,
         kernel_metadata=logical('embed', 'vocab'))
 
   def _logits(self, x: Array) -> Array:
@@ -311,6 +321,10 @@ class EncoderDecoder(_Model):
     self.encoder = Stack(cfg, 'encoder', cfg.num_encoder_layers, self.tokens, rngs=rngs)
     self.decoder = Stack(cfg, 'decoder', cfg.num_decoder_layers, self.tokens, cross=True,
                          rngs=rngs)
+
+  def constructor_kwargs(self) -> dict:
+    """The arguments besides the config that build this model again (e.g. re-parametrized)."""
+    return {'bos_id': self.bos_id}
 
   def encode(self, inputs: Array, *, segment_ids: Array | None = None,
              positions: Array | None = None, deterministic: bool = True,

@@ -46,8 +46,11 @@ class MultiHeadAttention(nnx.Module):
   documented there once: `kind`, `head_dim` (fixed_head, Bhojanapalli et al. 2020), `key_dim`
   and `mixing_init` (collaborative, Cordonnier et al. 2020), `logit_scale`, `gated` and the
   `gate_*` settings (Voita et al. 2019; `l0_penalty()` is the expected number of open gates),
-  `implementation`, `block_size` and `platform` ('blockwise': O(length) memory; attention
-  weights and logits then cannot be returned, and decoding with a cache computes as 'xla').
+  `implementation`, `block_size` and `platform` ('auto', the default: the fastest
+  implementation that can compute each call; 'blockwise': O(length) memory; attention weights
+  and logits need 'xla' (or 'auto'), and decoding with a cache computes as 'xla').
+  `log_name` ('encoder self-attention'): the layer's 'auto' choice is logged under this name
+  (once per process for each choice); None: not logged.
   Talking-heads mixing starts at the identity, where the layer equals concat.
   `MultiHeadAttention.from_spec(spec, rngs=...)` builds the layer a spec describes.
   """
@@ -90,6 +93,7 @@ class MultiHeadAttention(nnx.Module):
       out_bias_metadata: Mapping[str, Any] = _EMPTY,
       query_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
       key_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+      log_name: str | None = None,
       **options,
   ):
     # flax arguments that swap out the computation itself: ours is defined by `kind`.
@@ -123,6 +127,7 @@ class MultiHeadAttention(nnx.Module):
     self.broadcast_dropout, self.dropout_rate = broadcast_dropout, dropout_rate
     self.deterministic, self.decode = deterministic, decode
     self.use_bias, self.normalize_qk = use_bias, normalize_qk
+    self.log_name = log_name
 
     shapes, axes = spec.param_shapes(), spec.logical_axes()
     out_kernel_init = out_kernel_init or kernel_init
@@ -255,7 +260,7 @@ class MultiHeadAttention(nnx.Module):
     decode = bool(decode if decode is not None else self.decode)
 
     spec = self.spec
-    if sow_weights and not decode and spec.implementation != 'xla':
+    if sow_weights and not decode and spec.implementation not in ('xla', 'auto'):
       raise ValueError("sow_weights=True needs implementation='xla', not "
                        f'{spec.implementation!r}: only it materialises the attention weights.')
     stochastic_parts = self.dropout_rate > 0.0 or spec.gated
@@ -289,7 +294,8 @@ class MultiHeadAttention(nnx.Module):
         cache=cache, rng=rng, dropout_rate=self.dropout_rate,
         broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
         return_weights=return_weights or sow_weights,
-        return_logits=return_logits, dtype=self.dtype, precision=self.precision)
+        return_logits=return_logits, dtype=self.dtype, precision=self.precision,
+        name=self.log_name)
 
     if decode:
       self.cached_key[...] = result.cache['key']

@@ -1,9 +1,11 @@
 """Metrics out of a run: TensorBoard events, a JSON-lines file, a progress line, MFU.
 
-MFU divides achieved matmul FLOP/s by a peak that says where it came from
-(`peak_flops_per_device`): on TPU the chip's published bf16 peak (lowrank_attn.chips); elsewhere
-the best of several large matmuls, with their spread. Every MFU is printed beside the
-achieved GFLOP/s it came from, so a reader can redo the division with another peak.
+Throughput is achieved matmul FLOP/s (`flops_per_sec`, every log line). MFU divides it by a
+published peak that says where it came from (`peak_flops_per_device`): a TPU chip's bf16 peak
+or an NVIDIA GPU's dense bf16 peak (lowrank_attn.chips), or the one config.peak_flops_per_device
+gives. Without one (CPU, unknown devices) there is no `mfu` field and none is printed. Every
+MFU is printed beside the achieved GFLOP/s it came from, so a reader can redo the division
+with another peak.
 
 TensorBoard files are written with tensorboard's own `EventFileWriter` (no TensorFlow needed)
 and read back by `tensorboard` or `EventAccumulator`. `<workdir>/metrics.jsonl` has one
@@ -21,8 +23,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -89,66 +89,51 @@ class MetricWriter:
 
 class PeakFlops(float):
   """FLOP/s per device: a float (so existing arithmetic keeps working) that also says where
-  it came from (`source`) and, when measured, the spread of the samples (`spread`, min and
-  max FLOP/s)."""
+  it came from (`source`)."""
 
   source: str
-  spread: tuple[float, float] | None
 
-  def __new__(cls, value: float, source: str, spread: tuple[float, float] | None = None):
+  def __new__(cls, value: float, source: str):
     peak = super().__new__(cls, value)
-    peak.source, peak.spread = source, spread
+    peak.source = source
     return peak
 
   def __reduce__(self):
-    return PeakFlops, (float(self), self.source, self.spread)
+    return PeakFlops, (float(self), self.source)
 
 
-def measure_peak_flops_per_device(dtype=jnp.float32, size: int = 2048,
-                                  repeats: int = 7) -> PeakFlops:
-  """Matmul FLOP/s per device: the best of `repeats` timed `size`^3 matmuls, every local device
-  busy at once.
+def peak_flops_per_device(dtype=jnp.float32, device=None) -> PeakFlops | None:
+  """The published peak MFU divides by, with its source; None where there is none.
 
-  The best sample, not the mean: background load only ever slows a sample down, and a short
-  probe (one 1024^3 matmul, as before) read 171 and 470 GFLOP/s in two runs on the same
-  2-core machine. Devices are loaded together because virtual CPU devices share the host's
-  cores: their combined throughput, not one device's, is what a sharded step can reach.
+  TPU: the chip's published bf16 peak; NVIDIA GPU: its datasheet's dense bf16 Tensor Core
+  peak (`lowrank_attn.chips`). MFU is conventionally quoted against that figure whatever the
+  computation `dtype` (a float32 program runs at a fraction of it). CPU and any device not in
+  those tables: None, and no MFU is printed, only achieved FLOP/s: a peak measured by a
+  start-up matmul probe depends on the machine's load at that moment (on a loaded 2-core
+  machine one read 48 GFLOP/s, and training then printed "MFU 115%").
   """
-  devices = jax.local_devices()
-  mesh = jax.sharding.Mesh(np.array(devices), ('d',))
-  sharding = NamedSharding(mesh, P('d'))
-  x = jax.device_put(jnp.ones((len(devices), size, size), dtype), sharding)
-  matmul = jax.jit(lambda a: jnp.einsum('bij,bjk->bik', a, a), out_shardings=sharding)
-  for _ in range(2):  # compile, then one untimed run to warm caches and thread pools
-    matmul(x).block_until_ready()
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    matmul(x).block_until_ready()
-    samples.append(2 * size ** 3 / (time.perf_counter() - start))
-  low, best = min(samples), max(samples)
-  source = (f'measured: best of {repeats} {size}^3 {jnp.dtype(dtype).name} matmuls on '
-            f'{len(devices)} {devices[0].platform} device(s); samples {low / 1e9:,.0f}-'
-            f'{best / 1e9:,.0f} GFLOP/s per device')
-  return PeakFlops(best, source, (low, best))
-
-
-def peak_flops_per_device(dtype=jnp.float32, device=None) -> PeakFlops:
-  """The peak MFU divides by, with its source.
-
-  TPU: the chip's published bf16 peak (the figure MFU is conventionally quoted against, also
-  for float32 programs, which run at a fraction of it). Other devices: measured
-  (`measure_peak_flops_per_device`). For reference, the 2-core x86 machine the project's
-  benchmarks ran on is about 300 GFLOP/s float32 by the project brief; its measured best
-  ranged 170-470 GFLOP/s under other users' load, which is why the spread is reported.
-  """
+  del dtype  # the convention: the bf16 dense peak for every dtype
   device = device or jax.local_devices()[0]
   if device.platform == 'tpu':
     chip = chips.chip_of(device.device_kind)
     if chip is not None:
       return PeakFlops(chip.peak_bf16_flops,
                        f'published bf16 peak of {chip.name} ({chip.source})')
-  return measure_peak_flops_per_device(dtype)
+  if device.platform == 'gpu':
+    gpu = chips.gpu_of(device.device_kind)
+    if gpu is not None:
+      return PeakFlops(gpu.peak_bf16_flops,
+                       f'published dense bf16 peak of {gpu.name} ({gpu.source})')
+  return None
+
+
+def describe_peak(peak: PeakFlops | None, platform: str | None = None) -> str:
+  """'peak 1,579,000 GFLOP/s (source)', or why there is no MFU."""
+  if peak is None:
+    platform = platform or jax.local_devices()[0].platform
+    return (f'no published peak for {platform} devices: achieved GFLOP/s only, no MFU '
+            '(config.peak_flops_per_device sets one)')
+  return f'peak {peak / 1e9:,.0f} GFLOP/s ({peak.source})'
 
 
 def say(line: str) -> None:
@@ -160,9 +145,16 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def format_mfu(rates: Mapping[str, float]) -> str:
-  """'1,234 GFLOP/s = MFU 41.1%': the achieved rate beside every MFU, so it can be re-divided."""
-  return f'{rates["flops_per_sec"] / 1e9:,.0f} GFLOP/s = MFU {100 * rates["mfu"]:.1f}%'
+def format_throughput(rates: Mapping[str, float]) -> str:
+  """'1,234 GFLOP/s = MFU 41.1%': the achieved rate beside every MFU, so it can be re-divided;
+  '1,234 GFLOP/s' without a peak. An MFU above 100% can only come from a peak set too low
+  (config.peak_flops_per_device), and says so."""
+  line = f'{rates["flops_per_sec"] / 1e9:,.0f} GFLOP/s'
+  if 'mfu' in rates:
+    line += f' = MFU {100 * rates["mfu"]:.1f}%'
+    if rates['mfu'] > 1:
+      line += ' (above 100%: the peak it divides by is too low)'
+  return line
 
 
 class Progress:
@@ -173,7 +165,7 @@ class Progress:
   """
 
   def __init__(self, *, num_train_steps: int, tokens_per_step: int, flops_per_step: float,
-               peak_flops: float, every_secs: float):
+               peak_flops: float | None, every_secs: float):
     self.num_train_steps = num_train_steps
     self.tokens_per_step = tokens_per_step
     self.flops_per_step = flops_per_step
@@ -204,7 +196,8 @@ class Progress:
     self._window_steps += steps
 
   def rates(self, window: bool = True) -> dict[str, float]:
-    """steps/s, tokens/s, achieved matmul FLOP/s (all devices) and MFU = that / peak."""
+    """steps/s, tokens/s, achieved matmul FLOP/s (all devices) and, where there is a peak,
+    MFU = that / peak."""
     steps, secs = ((self._window_steps, self._window_secs) if window
                    else (self._timed_steps, self._timed_secs))
     if self._start is not None:
@@ -213,10 +206,12 @@ class Progress:
       return {}
     steps_per_sec = steps / secs
     flops_per_sec = steps_per_sec * self.flops_per_step
-    return {'steps_per_sec': steps_per_sec,
-            'tokens_per_sec': steps_per_sec * self.tokens_per_step,
-            'flops_per_sec': flops_per_sec,
-            'mfu': flops_per_sec / self.peak_flops}
+    rates = {'steps_per_sec': steps_per_sec,
+             'tokens_per_sec': steps_per_sec * self.tokens_per_step,
+             'flops_per_sec': flops_per_sec}
+    if self.peak_flops is not None:
+      rates['mfu'] = flops_per_sec / self.peak_flops
+    return rates
 
   @property
   def train_secs(self) -> float:
@@ -245,7 +240,7 @@ class Progress:
     line = f'step {step}/{self.num_train_steps}  loss {loss:.4f}'
     if rates:
       line += (f'  {rates["steps_per_sec"]:.2f} steps/s  {rates["tokens_per_sec"]:,.0f} tokens/s'
-               f'  {format_mfu(rates)}')
+               f'  {format_throughput(rates)}')
     say(line)
 
   def _bar(self, step: int) -> None:

@@ -58,13 +58,13 @@ def assert_same(result, expected):
 
 def test_spec_validates_the_options_and_they_change_no_size_or_cost():
   spec = AttentionSpec(num_heads=H, in_features=D)
-  assert (spec.implementation, spec.block_size) == ('xla', 128)
-  for implementation in ('blockwise', 'cudnn', 'splash'):
+  assert (spec.implementation, spec.block_size) == ('auto', 128)
+  for implementation in ('xla', 'blockwise', 'cudnn', 'splash'):
     other = dataclasses.replace(spec, implementation=implementation, block_size=5)
     assert other.param_shapes() == spec.param_shapes()
     assert other.flops(2, 9) == spec.flops(2, 9)
     assert other.options()['implementation'] == implementation
-  with pytest.raises(ValueError, match=r"implementation='flash' is not one of \('xla', "):
+  with pytest.raises(ValueError, match=r"implementation='flash' is not one of \('auto', 'xla', "):
     AttentionSpec(num_heads=H, implementation='flash')
   for bad in (0, 2.0, True):
     with pytest.raises(ValueError, match=rf'block_size={bad!r} must be an integer >= 1'):

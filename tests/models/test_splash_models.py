@@ -28,7 +28,8 @@ def config(implementation, kind='concat'):
   return models.TransformerConfig(
       vocab_size=V, emb_dim=16, mlp_dim=32, num_encoder_layers=1, num_decoder_layers=1,
       encoder_attention=attention, decoder_attention=attention, cross_attention=attention,
-      max_length=LENGTH, dropout_rate=0.0)
+      max_length=LENGTH, dropout_rate=0.0,
+      dtype='float32')  # not 'auto', which platform='tpu' would make bfloat16: compare kernels
 
 
 def packed(lengths_per_row, seed):
