@@ -104,6 +104,10 @@ def run_grid(runs: Iterable[Run], out_dir: str | os.PathLike, *,
 
   out_dir: the experiment folder; `<out_dir>/results.json` gets every finished run, in grid
     order, after each run that finishes (atomically), plus the failed and unfinished names.
+    Entries it already holds for runs not in `runs` are kept (after them); a run whose
+    directory is gone (a fresh machine) but whose entry it holds, with the same command up to
+    the interpreter's path, counts as finished: commit results.json and a grid resumes
+    anywhere.
   runs_dir: the run directories' root (default `default_runs_dir(<out_dir's name>)`).
   cwd: the commands' working directory (default: the repository root); env: extra variables.
   refresh: collect finished runs again (after changing a collector), rewriting their DONE.
@@ -163,6 +167,13 @@ class _Grid:
     self.done: dict[str, dict] = {}
     self.failed: dict[str, str] = {}  # name -> why
     self.machine = machine()
+    # results.json as found: runs of other invocations (e.g. --tasks=a then --tasks=b) are
+    # kept, and a run whose directory is gone (a new machine) counts as finished if the
+    # committed file has it with the same command.
+    found = (files.read_json(results_path) or {}).get('runs', [])
+    names = {run.name for run in runs}
+    self.recorded = {entry['name']: entry for entry in found if entry['name'] in names}
+    self.kept = [entry for entry in found if entry['name'] not in names]
 
   def rundir(self, run: Run) -> pathlib.Path:
     return self.runs_dir / run.name
@@ -171,10 +182,16 @@ class _Grid:
     for run in self.runs:
       entry = files.read_json(self.rundir(run) / DONE_FILE)
       if entry is None:
+        entry = self.recorded.get(run.name)
+        if entry is None or not _same_command(entry['command'], run.command):
+          continue
+        _say(f'grid: {run.name} finished earlier (in {self.results_path.name}; its run '
+             'directory is gone)')
+        self.done[run.name] = entry
         continue
       if refresh:
         entry = self._refresh(run, entry)
-      if entry.get('command', list(run.command)) != list(run.command):
+      if not _same_command(entry.get('command', run.command), run.command):
         _say(f'grid: note: {run.name} finished with another command '
              f'({_quote(entry["command"])}); delete {self.rundir(run) / DONE_FILE} to run it '
              'again')
@@ -356,7 +373,8 @@ class _Grid:
   def results(self) -> dict[str, Any]:
     return {
         'runs_dir': str(self.runs_dir),
-        'runs': [self.done[run.name] for run in self.runs if run.name in self.done],
+        'runs': [self.done[run.name] for run in self.runs if run.name in self.done]
+                + self.kept,
         'failed': [{'name': name, 'why': why} for name, why in self.failed.items()],
         'unfinished': [run.name for run in self.runs
                        if run.name not in self.done and run.name not in self.failed],
@@ -388,6 +406,11 @@ def status(runs_dir: str | os.PathLike) -> list[dict[str, Any]]:
       info['state'] = 'interrupted'
     out.append(info)
   return out
+
+
+def _same_command(recorded: Sequence[str], command: Sequence[str]) -> bool:
+  """The same command up to the interpreter's path (another checkout's virtualenv)."""
+  return list(recorded)[1:] == list(command)[1:]
 
 
 def _collect(run: Run, rundir: pathlib.Path) -> dict[str, Any]:

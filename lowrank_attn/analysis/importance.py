@@ -24,13 +24,12 @@ Batch = Mapping[str, np.ndarray]
 
 
 def task_of(model: nnx.Module) -> tasks.Task:
-  """The training task whose forward pass and batches fit `model`."""
-  for cls, name in ((models.EncoderDecoder, 'nmt'), (models.EncoderMLM, 'mlm'),
-                    (models.DecoderLM, 'lm')):
-    if type(model) is cls:  # pylint: disable=unidiomatic-typecheck  (subclasses are other tasks)
-      return tasks.get(name)
-  raise ValueError(f'model must be an EncoderDecoder, EncoderMLM or DecoderLM, got '
-                   f'{type(model).__name__}.')
+  """The training task whose model class `model` is (its forward pass and batches fit it)."""
+  for task in tasks.TASKS.values():
+    if type(model) is task.model_class:  # pylint: disable=unidiomatic-typecheck
+      return task
+  raise ValueError(f'{type(model).__name__} is the model of no task; the tasks\' models: '
+                   f'{sorted(t.model_class.__name__ for t in tasks.TASKS.values())}.')
 
 
 def _per_example_masks(counts: Mapping[str, tuple[int, ...]], batch_size: int):
@@ -40,35 +39,37 @@ def _per_example_masks(counts: Mapping[str, tuple[int, ...]], batch_size: int):
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'task_name'))
 def _importance_sums(graphdef, params, batch, *, task_name):
-  """Sum over the batch's examples x of |d L_x / d xi_h| (L_x: x's summed token losses), and
-  the number of target tokens."""
+  """Sum over the batch's examples x of |d L_x / d xi_h| (L_x: x's summed loss, the task's),
+  and the loss's weight (target tokens, or examples)."""
   task = tasks.get(task_name)
   model = nnx.merge(graphdef, params)
   masks = _per_example_masks(head_counts(model), batch['inputs'].shape[0])
 
   def loss(masks):
-    logits, _ = task.forward(model, batch, deterministic=True, head_masks=masks)
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
-    nll = -jnp.take_along_axis(log_probs, batch['targets'][..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * batch['weights'])
+    outputs, _ = task.forward(model, batch, deterministic=True, head_masks=masks)
+    sums = task.loss(outputs, batch, 0.0)  # summed over the batch's examples (and tokens)
+    return sums['nll'], sums['weight']
 
-  grads = jax.grad(loss)(masks)
+  grads, weight = jax.grad(loss, has_aux=True)(masks)
   # Each example's loss depends only on its own mask row: one backward pass gives every
   # example's gradient, and the absolute value is taken per example (Michel et al., eq. 2).
   sums = {t: [jnp.sum(jnp.abs(g), axis=0) for g in layers] for t, layers in grads.items()}
-  return sums, jnp.sum(batch['weights'])
+  return sums, weight
 
 
 def head_importance(model: nnx.Module, batches: Iterable[Batch], *,
                     normalize_layers: bool = False) -> dict:
   """Michel et al. (2019)'s head importance I_h = E_x |dL(x) / d xi_h| at xi = 1.
 
-  xi_h multiplies head h's output (`head_masks`), L(x) is the summed token cross entropy of
-  example x (one row of a batch), and the expectation weighs examples by their target tokens:
-  I_h = sum_x |dL(x) / d xi_h| / sum_x tokens(x), the average per token.
+  xi_h multiplies head h's output (`head_masks`), L(x) is example x's summed loss under its
+  task (`Task.loss` without label smoothing: the token cross entropy of a row, a GLUE
+  example's cross entropy or squared error), and the expectation weighs examples by the
+  loss's weights: I_h = sum_x |dL(x) / d xi_h| / sum_x weight(x), the average per target
+  token (per example for GLUE).
 
   Args:
-    model: an EncoderDecoder, EncoderMLM or DecoderLM.
+    model: the model of a task (`task_of`): an EncoderDecoder, EncoderMLM, DecoderLM or
+      GLUE's classifier.
     batches: batches of the model's task (`inputs`, `targets`, `weights`, ...), one example
       per row; a packed row counts as one example.
     normalize_layers: divide each layer's scores by their L2 norm (Michel et al. sec. 4.2,

@@ -155,7 +155,8 @@ def prune_heads(model: nnx.Module, keep: Keep) -> nnx.Module:
   """A new, smaller model without the heads where `keep` is False.
 
   Args:
-    model: a `DecoderLM`, `EncoderMLM` or `EncoderDecoder` (not modified).
+    model: a `DecoderLM`, `EncoderMLM`, `EncoderDecoder` or a task's subclass of one (e.g.
+      GLUE's classifier), not modified.
     keep: {'encoder'|'decoder'|'cross': bool [layers, heads]} (True = keep), or per layer a
       bool [heads] where head counts differ; types left out keep every head.
 
@@ -173,7 +174,8 @@ def prune_heads(model: nnx.Module, keep: Keep) -> nnx.Module:
     parent[name] = _prune_layer_params(parent[name], layer.spec, keep[attention_type][index],
                                        cfg.attention(attention_type, index))
 
-  extra = {'bos_id': model.bos_id} if hasattr(model, 'bos_id') else {}
+  # The constructor's arguments besides the config (a task's model may take its own).
+  extra = model.constructor_kwargs() if hasattr(model, 'constructor_kwargs') else {}
   abstract = nnx.eval_shape(lambda: type(model)(cfg, **extra, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract, nnx.Param)
   expected = nnx.to_pure_dict(state)

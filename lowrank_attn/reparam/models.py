@@ -169,7 +169,8 @@ def _build(model: nnx.Module, cfg: models.TransformerConfig, params: dict) -> nn
   Every parameter of the new model must be in `params` with its shape: nothing is left at an
   initial value by accident.
   """
-  extra = {'bos_id': model.bos_id} if isinstance(model, models.EncoderDecoder) else {}
+  # The constructor's arguments besides the config (a task's model may take its own).
+  extra = model.constructor_kwargs() if hasattr(model, 'constructor_kwargs') else {}
   abstract = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0), **extra))
   graphdef, state, *rest = nnx.split(abstract, nnx.Param, ...)
   if any(jax.tree.leaves(r) for r in rest):

@@ -14,6 +14,7 @@ accuracy (SST-2, RTE), F1 and accuracy (MRPC), Pearson and Spearman correlation 
 """
 
 import dataclasses
+import json
 
 from flax import nnx
 import jax
@@ -147,6 +148,11 @@ class SentenceClassifier(models.EncoderMLM):
         kernel_init=nnx.initializers.normal(0.02), rngs=rngs,
         kernel_metadata=logical('embed', None), bias_metadata=logical(None))
 
+  def constructor_kwargs(self) -> dict:
+    """The arguments besides the config that build this model again (e.g. re-parametrized)."""
+    return {'num_outputs': self.num_outputs, 'pooling': self.pooling,
+            'classifier_dropout': self.classifier_dropout.rate}
+
   def __call__(self, inputs, *, positions=None, segment_ids=None, token_types=None,
                deterministic: bool = True, rngs: nnx.Rngs | None = None, head_masks=None,
                return_weights: bool = False, return_logits: bool = False):
@@ -253,12 +259,25 @@ class GlueEvaluator(base.Evaluator):
     self._predict = jax.jit(predict)
 
   def evaluate(self, params, pipeline, num_batches):
+    predictions, labels = self._predict_split(params, pipeline, num_batches)
+    if not len(labels):
+      return {}
+    return glue_metrics(glue_task(self.context.setup.config.data.name)[0], predictions, labels)
+
+  def final(self, params, pipeline, name):
+    """The metrics, and `<name>_predictions.json` (every example's prediction and label, in
+    the split's order) for paired comparisons of runs (e.g. bootstrap intervals)."""
+    predictions, labels = self._predict_split(params, pipeline, -1)
+    metrics = glue_metrics(glue_task(self.context.setup.config.data.name)[0], predictions,
+                           labels) if len(labels) else {}
+    text = json.dumps({'predictions': predictions.tolist(), 'labels': labels.tolist()})
+    return base.FinalResult(metrics, files={f'{name}_predictions.json': text + '\n'})
+
+  def _predict_split(self, params, pipeline, num_batches):
+    """(predictions, labels) of the split's real examples, in order."""
     s = self.context.setup
     predictions, labels = [], []
-    pipeline.reset()
-    for i, batch in enumerate(pipeline):
-      if num_batches > 0 and i >= num_batches:
-        break
+    for batch in self.context.batches(pipeline, num_batches):
       with s.activate():
         out = self._predict(params, s.global_batch(batch))
       out, targets, weights = (np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -267,9 +286,8 @@ class GlueEvaluator(base.Evaluator):
       predictions.append(out[keep])
       labels.append(targets[keep])
     if not predictions:
-      return {}
-    task, _ = glue_task(s.config.data.name)
-    return glue_metrics(task, np.concatenate(predictions), np.concatenate(labels))
+      return np.zeros(0), np.zeros(0)
+    return np.concatenate(predictions), np.concatenate(labels)
 
 
 def _check_config(config):
@@ -290,4 +308,5 @@ TASK = base.Task(
     final_splits=lambda config: {'validation': 'validation'},
     settings={'glue': GlueConfig},
     check_config=_check_config,
+    model_class=SentenceClassifier,
 )

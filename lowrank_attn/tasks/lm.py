@@ -75,4 +75,5 @@ TASK = base.Task(
     forward=base.sequence_forward,
     flops=base.sequence_flops,
     real_tokens=base.segment_tokens,
+    model_class=models.DecoderLM,
 )

@@ -102,6 +102,9 @@ class TrainConfig:
 
   # ---- Optimisation: AdamW, warmup then decay (lowrank_attn/train/optim.py).
   learning_rate: float = 1e-3  # peak learning rate, reached after warmup
+  # Peak learning rate of head gates (Voita et al.), same schedule; None: learning_rate. A
+  # fine-tune's rate (e.g. 5e-5) moves a gate's log-alpha too little for any gate to close.
+  gate_learning_rate: float | None = None
   lr_schedule: str = 'inverse_sqrt'  # after warmup: 'inverse_sqrt'|'cosine'|'linear'|'constant'
   warmup_steps: int = 4_000  # linear warmup from 0
   end_learning_rate_factor: float = 0.0  # cosine/linear end at learning_rate x this
@@ -127,7 +130,7 @@ class TrainConfig:
   process_id: int | None = None
   # Steps dispatched ahead of the host: bounds how long a SIGTERM waits for the save.
   max_steps_in_flight: int = 2
-  peak_flops_per_device: float | None = None  # for MFU; None: measure matmuls
+  peak_flops_per_device: float | None = None  # for MFU; None: the published peak (CPU: no MFU)
 
   def __post_init__(self):
     if self.init_from is not None and (not isinstance(self.init_from, str) or
@@ -153,6 +156,11 @@ class TrainConfig:
         _fail(name, getattr(self, name), 'expected True or False')
 
     _require_number('learning_rate', self.learning_rate, 0.0)
+    if self.gate_learning_rate is not None:
+      _require_number('gate_learning_rate', self.gate_learning_rate, 0.0)
+      if not self.learning_rate > 0:
+        _fail('gate_learning_rate', self.gate_learning_rate,
+              'needs learning_rate > 0 (it scales the updates learning_rate gives)')
     if self.lr_schedule not in optim.SCHEDULES:
       _fail('lr_schedule', self.lr_schedule, f'expected one of {optim.SCHEDULES}')
     _require_int('warmup_steps', self.warmup_steps, 0)
@@ -374,17 +382,25 @@ def from_dict(values: Mapping[str, Any]) -> ml_collections.ConfigDict:
   """The config a run recorded (`to_dict`, its `config.json`), on this schema.
 
   Fields the run did not record (added to the schema since) keep their defaults; a field the
-  schema does not have is a ValueError naming it. JSON lists come back as tuples. Runs written
-  before the task refactor recorded a `decode` group for every task; where the task has none,
-  it is dropped.
+  schema does not have, a value of the wrong type and anything but a JSON object where a group
+  of fields belongs are each a ValueError naming the field. JSON lists come back as tuples.
+  Runs written before the task refactor recorded a `decode` group for every task; where the
+  task has none, it is dropped.
   """
-  if values.get('task') not in tasks.TASKS:
-    raise ValueError(f"config task={values.get('task')!r} is not one of {tuple(tasks.TASKS)}.")
-  config = base_config(values['task'])
+  if not isinstance(values, Mapping):
+    raise ValueError(f'a config is a mapping of fields (a JSON object), not a '
+                     f'{type(values).__name__}.')
+  task = values.get('task')
+  if not isinstance(task, str) or task not in tasks.TASKS:
+    raise ValueError(f'config task={task!r} is not one of {tuple(tasks.TASKS)}.')
+  config = base_config(task)
   if 'decode' in values and 'decode' not in config:
     values = {k: v for k, v in values.items() if k != 'decode'}
 
   def update(node, given, path):
+    if not isinstance(given, Mapping):
+      raise ValueError(f'config.{path.removesuffix(".")}={given!r} is invalid: expected a group '
+                       'of fields (a JSON object).')
     for name, value in given.items():
       if name not in node:
         raise ValueError(f'config.{path}{name} is not a field of this schema (a run written by '
@@ -392,7 +408,11 @@ def from_dict(values: Mapping[str, Any]) -> ml_collections.ConfigDict:
       if isinstance(node[name], ml_collections.ConfigDict):
         update(node[name], value, f'{path}{name}.')
       else:
-        node[name] = _tuples(value)
+        try:
+          node[name] = _tuples(value)
+        except (TypeError, ValueError) as e:  # ConfigDict's type check
+          raise ValueError(f'config.{path}{name}={value!r} is invalid: '
+                           f'{" ".join(str(e).split())}') from None
 
   update(config, values, '')
   return config

@@ -8,6 +8,9 @@ AdamW after global-norm gradient clipping; linear warmup from 0, then one of
 Weight decay applies to kernels and embeddings only (`weight_decay_mask`), never to biases,
 norms, gates or head-mixing parameters: decaying a norm or bias only fights the normalisation,
 and pulling gate log-alphas to 0 would half-close every gate.
+Gates may have their own peak learning rate (`config.gate_learning_rate`, on the same schedule):
+Voita et al.'s gates must travel log-alpha units from their start to close, which a fine-tuning
+rate such as 5e-5 never lets them do.
 Gradient accumulation is not an optax wrapper: `train_step` averages micro-batch gradients
 itself, so one optimizer step is one training step and schedules count real steps.
 """
@@ -138,17 +141,39 @@ def weight_decay_mask(params: nnx.State) -> dict[str, Any]:
       one, params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
+def role_scales(params: nnx.State, scales: dict[str, float]) -> dict[str, Any]:
+  """Per parameter, the factor of its role in `scales` (1.0 for roles not named), shaped as
+  `nnx.to_pure_dict(params)`: e.g. {'gate': 1000.0} to give gates their own learning rate."""
+  unknown = sorted(set(scales) - set(PARAMETER_ROLES.values()))
+  if unknown:
+    raise ValueError(f'no parameter role {unknown}; roles: {sorted(set(PARAMETER_ROLES.values()))}')
+
+  def one(path, variable):
+    name = str(getattr(path[-1], 'key', path[-1]))
+    if name not in PARAMETER_ROLES:
+      decays(name, None, _path(path))  # raises, naming the unclassified parameter
+    return float(scales.get(PARAMETER_ROLES[name], 1.0))
+
+  return nnx.to_pure_dict(jax.tree_util.tree_map_with_path(
+      one, params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
 def make_optimizer(schedule: optax.Schedule, *, b1: float, b2: float, eps: float,
-                   weight_decay: float, grad_clip_norm: float,
-                   decay_mask: Any) -> optax.GradientTransformation:
-  """Global-norm clipping (if > 0), then AdamW.
+                   weight_decay: float, grad_clip_norm: float, decay_mask: Any,
+                   update_scales: Any = None) -> optax.GradientTransformation:
+  """Global-norm clipping (if > 0), then AdamW, then (if given) each update times its
+  parameter's factor in `update_scales` (`role_scales`).
 
   `decay_mask`: True where weight decay applies, a pytree shaped like the parameters (see
-  `weight_decay_mask`) or a function of them returning one.
+  `weight_decay_mask`) or a function of them returning one. A factor f on a parameter that
+  does not decay is the same as a learning rate f times the schedule's for it.
   """
   parts = []
   if grad_clip_norm > 0:
     parts.append(optax.clip_by_global_norm(grad_clip_norm))
   parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                            mask=decay_mask))
+  if update_scales is not None:
+    parts.append(optax.stateless(
+        lambda updates, params: jax.tree.map(lambda u, f: u * f, updates, update_scales)))
   return optax.chain(*parts)

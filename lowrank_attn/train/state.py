@@ -73,6 +73,15 @@ class Setup:
     return 3 * self.flops(micro_shapes) * k
 
 
+def _update_scales(config, abstract_vars):
+  """The gates' own learning rate as a factor on their updates (None: no factor, the
+  optimizer state of runs without one unchanged)."""
+  if config.gate_learning_rate is None:
+    return None
+  return optim.role_scales(abstract_vars,
+                           {'gate': config.gate_learning_rate / config.learning_rate})
+
+
 def parameter_path(path) -> str:
   """'encoder/layers/0/self_attention/query_kernel' for a key path of a params dict."""
   return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
@@ -123,7 +132,8 @@ def setup(config: ml_collections.ConfigDict, *, vocab_size: int, bos_id: int,
   tx = optim.make_optimizer(schedule, b1=config.adam_b1, b2=config.adam_b2,
                             eps=config.adam_eps, weight_decay=config.weight_decay,
                             grad_clip_norm=config.grad_clip_norm,
-                            decay_mask=optim.weight_decay_mask(abstract_vars))
+                            decay_mask=optim.weight_decay_mask(abstract_vars),
+                            update_scales=_update_scales(config, abstract_vars))
   abstract_params = nnx.to_pure_dict(abstract_vars)
   if config.trainable is not None:
     # Frozen parameters get zero updates: bitwise unchanged, and no optimizer state.

@@ -128,3 +128,55 @@ def test_statistics_of_a_pruned_model_with_ragged_layers():
 def test_empty_batches_are_a_value_error():
   with pytest.raises(ValueError, match='batches is empty'):
     head_importance(small_model(), [])
+
+
+@pytest.mark.parametrize('num_outputs', [1, 2], ids=['regression', 'classification'])
+def test_glue_importance_is_per_example_loss_finite_differences(num_outputs):
+  """A GLUE classifier's importance is the task's own per-example loss (squared error of the
+  score, or cross entropy of the class) differentiated by central differences, per example."""
+  from lowrank_attn.tasks import glue  # pylint: disable=g-import-not-at-top
+  spec = models.AttentionSpec(num_heads=H)
+  cfg = models.TransformerConfig(vocab_size=V, emb_dim=D, mlp_dim=32, num_encoder_layers=LAYERS,
+                                 num_decoder_layers=0, encoder_attention=spec, max_length=16,
+                                 dropout_rate=0.0, type_vocab_size=2, norm='post')
+  model = glue.SentenceClassifier(cfg, num_outputs=num_outputs, pooling='mean',
+                                  classifier_dropout=0.0, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(3)
+  nnx.update(model, jax.tree.map(lambda x: x + 0.3 * jnp.asarray(rng.standard_normal(x.shape),
+                                                                 x.dtype),
+                                 nnx.state(model, nnx.Param)))
+  rows, length = 3, 8
+  inputs = rng.integers(3, V, (rows, length)).astype(np.int32)
+  lengths = np.array([8, 5, 3])
+  inputs[np.arange(length)[None, :] >= lengths[:, None]] = 0
+  segment_ids = (inputs != 0).astype(np.int32)
+  batch = {'inputs': inputs, 'segment_ids': segment_ids,
+           'positions': np.where(segment_ids > 0, np.arange(length)[None, :], 0).astype(np.int32),
+           'token_types': (np.arange(length)[None, :] >= 2).astype(np.int32) * segment_ids,
+           'weights': np.array([1.0, 1.0, 0.0], np.float32)}  # the last row: padding
+  batch['targets'] = (rng.random(rows).astype(np.float32) * 5 if num_outputs == 1
+                      else rng.integers(0, 2, rows).astype(np.int32))
+  graphdef, params = nnx.split(model)
+
+  @jax.jit
+  def example_losses(masks):
+    outputs, _ = glue._forward(nnx.merge(graphdef, params), batch, head_masks=masks)  # pylint: disable=protected-access
+    outputs = outputs.astype(jnp.float32)
+    if num_outputs == 1:
+      return jnp.square(outputs - batch['targets'])
+    log_probs = jax.nn.log_softmax(outputs)
+    return -jnp.take_along_axis(log_probs, batch['targets'][:, None], -1)[:, 0]
+
+  eps = 1e-2
+  expected = np.zeros((LAYERS, H))
+  for layer in range(LAYERS):
+    for head in range(H):
+      masks = {'encoder': np.ones((LAYERS, H), np.float32)}
+      masks['encoder'][layer, head] = 1 + eps
+      up = np.asarray(example_losses(masks), np.float64)
+      masks['encoder'][layer, head] = 1 - eps
+      down = np.asarray(example_losses(masks), np.float64)
+      expected[layer, head] = np.sum(batch['weights'] * np.abs(up - down) / (2 * eps))
+  importance = head_importance(model, [batch])
+  np.testing.assert_allclose(importance['encoder'], expected / batch['weights'].sum(),
+                             rtol=2e-3, atol=1e-6)

@@ -344,3 +344,29 @@ def test_each_run_records_the_commit_and_the_uncommitted_changes_it_ran(tmp_path
 
 def test_code_outside_git_has_no_commit(tmp_path):
   assert runner.code_version(tmp_path) == {'commit': None, 'modified': []}
+
+
+def test_committed_results_stand_for_lost_run_directories_and_other_runs_are_kept(tmp_path):
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  marks = {name: tmp_path / f'{name}.count' for name in ('a', 'b', 'c')}
+  first = [runner.Run(name, count(marks[name])) for name in ('a', 'b')]
+  runner.run_grid(first, out, runs_dir=runs_dir)
+
+  # A new machine: the run directories are gone, results.json was committed. Running 'b'
+  # (same command, another interpreter path) and a new 'c' reruns neither 'a' nor 'b'.
+  for rundir in runs_dir.iterdir():
+    for path in rundir.iterdir():
+      path.unlink()
+    rundir.rmdir()
+  moved = lambda run: runner.Run(run.name, ['/elsewhere/python', *run.command[1:]])
+  results = runner.run_grid([moved(first[1]), runner.Run('c', count(marks['c']))], out,
+                            runs_dir=runs_dir)
+  assert {name: mark.read_text() for name, mark in marks.items()} == {
+      'a': 'x', 'b': 'x', 'c': 'x'}
+  assert names(results) == ['b', 'c', 'a']  # this grid's runs in order, then the kept one
+  assert runner.load_results(out) == results
+
+  # Another command under the same name is not the recorded run: it runs.
+  changed = runner.Run('a', py(f'open({str(marks["a"])!r}, "a").write("y")'))
+  runner.run_grid([changed], out, runs_dir=runs_dir)
+  assert marks['a'].read_text() == 'xy'

@@ -1,6 +1,8 @@
 """The GLUE task: files, encoding, metrics and loss against independent references, the
 pretrained MiniLM's zero-shot STS-B score, and a fine-tune through the training loop."""
 
+import csv
+import json
 import os
 import pathlib
 
@@ -144,6 +146,7 @@ def test_minilm_zero_shot_stsb_matches_its_published_score(tfds_dir):
   assert result['spearman'] == pytest.approx(86.7, abs=0.5)
 
 
+@pytest.mark.integration
 def test_fine_tuning_runs_through_the_loop_and_reports_the_glue_metrics(tmp_path):
   config = config_lib.load('configs/glue.py:tiny')
   config.num_train_steps = 6
@@ -154,6 +157,14 @@ def test_fine_tuning_runs_through_the_loop_and_reports_the_glue_metrics(tmp_path
   assert final['examples'] == COUNTS['rte'][1]  # every dev example, once
   assert 0 <= final['accuracy'] <= 100 and final['score'] == final['accuracy']
   assert set(result['eval']) >= {'loss', 'accuracy', 'score'}
+  # Every dev example's prediction, in the file's order (its labels: RTE's dev.tsv), and the
+  # final accuracy is theirs.
+  written = json.loads((tmp_path / 'final_eval' / '6' / 'validation_predictions.json').read_text())
+  with open(DATA_DIR / 'glue' / 'RTE' / 'dev.tsv', encoding='utf-8') as f:
+    rows = list(csv.reader(f, delimiter='\t', quoting=csv.QUOTE_NONE))[1:]
+  assert written['labels'] == [float(row[-1] == 'not_entailment') for row in rows]
+  accuracy = 100 * np.mean(np.equal(written['predictions'], written['labels']))
+  assert final['accuracy'] == pytest.approx(accuracy, rel=1e-12)
 
 
 def test_a_non_glue_data_set_is_refused():

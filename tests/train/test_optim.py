@@ -301,3 +301,63 @@ def test_adamw_matches_numpy_and_spares_the_bias():
                            **{**hyper, 'weight_decay': 0.0})
   assert np.abs(want['query_kernel'] - undecayed['query_kernel']).max() > 1e-4
   np.testing.assert_array_equal(want['query_bias'], undecayed['query_bias'])
+
+
+def test_gates_get_their_own_learning_rate_on_the_same_schedule():
+  """config.gate_learning_rate: the gate's AdamW step is the numpy one at the gate rate times
+  the schedule's shape, every other parameter's at the model's rate."""
+  rng = np.random.default_rng(1)
+  params = {'query_kernel': rng.normal(size=(4, 2, 3)).astype(np.float32),
+            'gate_log_alpha': rng.normal(size=(2,)).astype(np.float32)}
+  decayed = {'query_kernel': True, 'gate_log_alpha': False}
+  grads = [{k: (0.1 * rng.normal(size=p.shape)).astype(np.float32) for k, p in params.items()}
+           for _ in range(3)]
+  hyper = dict(b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01)
+  schedule = optim.learning_rate_schedule(learning_rate=5e-5, warmup_steps=2,
+                                          num_train_steps=3, decay='linear')
+  abstract = nnx.State({
+      'query_kernel': nnx.Param(jnp.zeros((4, 2, 3))),
+      'gate_log_alpha': nnx.Param(jnp.zeros((2,)))})
+  scales = optim.role_scales(abstract, {'gate': 0.05 / 5e-5})
+  assert scales == {'query_kernel': 1.0, 'gate_log_alpha': pytest.approx(1000.0)}
+  tx = optim.make_optimizer(schedule, **hyper, grad_clip_norm=0.0, decay_mask=decayed,
+                            update_scales=scales)
+  state, got = tx.init(params), dict(params)
+  for g in grads:
+    updates, state = tx.update(g, state, got)
+    got = optax.apply_updates(got, updates)
+  kernel = _numpy_adamw(params, grads, decayed, lrs=[0.0, 2.5e-5, 5e-5], clip=np.inf, **hyper)
+  gate = _numpy_adamw(params, grads, decayed, lrs=[0.0, 0.025, 0.05], clip=np.inf, **hyper)
+  np.testing.assert_allclose(got['query_kernel'], kernel['query_kernel'], rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(got['gate_log_alpha'], gate['gate_log_alpha'], rtol=1e-5,
+                             atol=1e-6)
+  with pytest.raises(ValueError, match=r"no parameter role \['gates'\]"):
+    optim.role_scales(abstract, {'gates': 2.0})
+
+
+def test_gate_learning_rate_reaches_the_optimizer_only_when_set(helpers):
+  from lowrank_attn.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.load('configs/lm.py:tiny')
+  config.model.attention.gated = True
+  config.learning_rate, config.warmup_steps = 1e-3, 0
+  plain = state_lib.setup(config, vocab_size=11, bos_id=1)
+  config.gate_learning_rate = 0.5
+  gated = state_lib.setup(config, vocab_size=11, bos_id=1)
+  # The optimizer state of a run without the field is unchanged (old checkpoints restore).
+  plain_state = jax.eval_shape(plain.tx.init, plain.abstract_state['params'])
+  assert jax.tree.structure(plain_state) != jax.tree.structure(
+      jax.eval_shape(gated.tx.init, gated.abstract_state['params']))
+  params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), gated.abstract_state['params'])
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, _ = gated.tx.update(grads, gated.tx.init(params), params)
+  flat = {'/'.join(str(getattr(k, 'key', k)) for k in path): np.asarray(u)
+          for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
+  # Adam's first step is lr * sign(g): the gates' is 500x the others'.
+  gates = [u for name, u in flat.items() if name.endswith('gate_log_alpha')]
+  biases = [u for name, u in flat.items() if name.endswith('out_bias')]
+  assert gates and biases
+  np.testing.assert_allclose(np.concatenate([g.ravel() for g in gates]), -0.5, rtol=1e-5)
+  np.testing.assert_allclose(np.concatenate([b.ravel() for b in biases]), -1e-3, rtol=1e-5)
+  config.learning_rate = 0.0
+  with pytest.raises(ValueError, match='gate_learning_rate.*needs learning_rate > 0'):
+    config_lib.validate(config)

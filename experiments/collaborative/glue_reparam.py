@@ -1,0 +1,268 @@
+r"""Table 3 of Cordonnier et al. (2020) at MiniLM scale: GLUE after re-parametrizing the encoder.
+
+    python -m experiments.collaborative.glue_reparam --runs_dir=/work/runs/glue_reparam \
+        [--tasks=rte,mrpc,stsb,cola,sst2] [--key_dims=384,256,192,128,96,64,48]
+        [--methods=collaborative,collaborative_rescaled,per_head_svd] [--seeds=0,1,2]
+        [--decompose=finetuned|pretrained] [--parallel=N] [--smoke]
+
+The paper's protocol (its code's README, `run_glue.py --mix_heads --mix_size D~k`): fine-tune
+the pretrained encoder on the task, decompose the fine-tuned model's attention into
+collaborative heads of shared key width D~k, then fine-tune again with the same recipe. Here:
+  1. `<task>-original-s<seed>`: all-MiniLM-L6-v2 fine-tuned with `configs/glue.py:<task>`
+     (BERT's recipe; the paper used lr 2e-5 for BERT-base, ours is the config's 5e-5);
+  2. each method at each D~k converts that run's encoder (`reparametrize_nmt.convert`:
+     CP with the original logit scale, CP with the paper's code's rescaled logits, or per-head
+     SVD at equal width), written as a run directory (`lowrank_attn.reparam.write_run`);
+  3. `<task>-<method>-k<D~k>-s<seed>` fine-tunes it with the same config (per-head SVD with its
+     block one-hot mixing frozen, so it stays concat heads), and `<task>-original-again-s<seed>`
+     fine-tunes the unconverted model the same way: the control for what a second fine-tune
+     does on its own.
+`--decompose=pretrained` converts the pretrained MiniLM instead and fine-tunes once (no
+step 1): the issue's other reading, and a test of whether the protocol matters.
+
+Each run's final evaluation on the whole dev set (GLUE metrics x100) and its per-example
+predictions (`final_eval/<step>/validation_predictions.json`), copied next to this script in
+`glue/predictions/` as runs finish, feed the table: the task scores (mean over seeds), their
+average, and a 95% bootstrap interval over dev examples for the difference of each row's
+average to the original's (`experiments.stats`). Beside it, the paper's BERT-base rows.
+
+Cost: one fine-tune of MiniLM takes 22 (RTE) to 45 (STS-B) minutes on the 2-core CPU and hours
+for SST-2; the full grid is ~23 fine-tunes per task and seed: a GPU job (`--parallel`). Runs
+are resumable (rerun the command) and results.json holds every finished run.
+"""
+
+import dataclasses
+import json
+import pathlib
+import shutil
+
+import numpy as np
+
+from experiments import runner
+from experiments.collaborative.reparametrize_nmt import METHODS, convert
+
+HERE = pathlib.Path(__file__).resolve().parent
+OUT = HERE / 'glue'
+TASKS = ('rte', 'mrpc', 'stsb', 'cola', 'sst2')
+KEY_DIMS = (384, 256, 192, 128, 96, 64, 48)
+PRETRAINED = 'all-MiniLM-L6-v2'
+# Cordonnier et al. (2020), Table 3 (also the README of epfml/collaborative-attention): BERT-base
+# fine-tuned, then re-parametrized at D~k and fine-tuned again; dev scores. MRPC: F1/accuracy,
+# STS-B: Pearson/Spearman (the paper's average is over eight tasks; `paper_table` averages ours).
+PAPER_BERT_BASE = {
+    None: {'cola': 54.7, 'sst2': 91.7, 'mrpc': (88.8, 83.8), 'stsb': (88.8, 88.7), 'rte': 63.2},
+    768: {'cola': 56.8, 'sst2': 90.1, 'mrpc': (89.6, 85.1), 'stsb': (89.2, 88.9), 'rte': 65.3},
+    384: {'cola': 56.3, 'sst2': 90.7, 'mrpc': (87.7, 82.4), 'stsb': (88.3, 88.0), 'rte': 65.3},
+    256: {'cola': 52.6, 'sst2': 90.1, 'mrpc': (88.1, 82.6), 'stsb': (87.5, 87.2), 'rte': 62.5},
+    128: {'cola': 43.5, 'sst2': 89.5, 'mrpc': (83.4, 75.2), 'stsb': (84.5, 84.3), 'rte': 60.7},
+}
+PREDICTIONS = 'validation_predictions.json'
+
+
+def arguments():
+  parser = runner.arg_parser(__doc__, 'glue_reparam')
+  parser.add_argument('--tasks', default='rte,mrpc,stsb,cola')
+  parser.add_argument('--key_dims', default=','.join(map(str, KEY_DIMS)))
+  parser.add_argument('--methods', default=','.join(METHODS))
+  parser.add_argument('--seeds', default='0')
+  parser.add_argument('--decompose', choices=('finetuned', 'pretrained'), default='finetuned')
+  parser.add_argument('--smoke', action='store_true',
+                      help='configs/glue.py:tiny-sized fine-tunes of 4 steps on RTE, one '
+                           'method at D~k = 64; results under --runs_dir')
+  args = parser.parse_args()
+  args.tasks = args.tasks.split(',')
+  args.key_dims = [int(k) for k in args.key_dims.split(',')]
+  args.methods = args.methods.split(',')
+  args.seeds = [int(s) for s in args.seeds.split(',')]
+  for name, given, valid in (('tasks', args.tasks, TASKS), ('methods', args.methods, METHODS)):
+    if set(given) - set(valid):
+      parser.error(f'--{name}: {sorted(set(given) - set(valid))} unknown; valid: '
+                   f'{",".join(valid)}')
+  args.out = OUT if args.decompose == 'finetuned' else OUT / 'pretrained'
+  args.budget = {}
+  if args.smoke:
+    args.tasks, args.key_dims, args.methods, args.seeds = ['rte'], [64], ['collaborative'], [0]
+    args.budget = {'num_train_steps': 4, 'warmup_steps': 1, 'checkpoint_every_steps': 2,
+                   'data.max_length': 32}
+    args.out = pathlib.Path(args.runs_dir) / 'smoke_results'
+  return args
+
+
+def main():
+  args = arguments()
+  runs_dir = pathlib.Path(args.runs_dir).resolve()
+
+  def run(name, task, seed, overrides, **config):
+    train = runner.train_run(name, f'configs/glue.py:{task}', seed=seed,
+                             overrides={**overrides, **args.budget})
+    return dataclasses.replace(train, config={'task': task, **config, **train.config})
+
+  sources = {}  # (task, seed) -> the run directory the conversions start from
+  first = []
+  for seed in args.seeds:
+    for task in args.tasks:
+      if args.decompose == 'finetuned':
+        name = f'{task}-original-s{seed}'
+        first.append(run(name, task, seed, {}, method='original', key_dim=None, stage=1))
+        sources[task, seed] = runs_dir / name
+  results = grid(first, args)
+  if args.decompose == 'finetuned' and len(results['runs']) < len(first):
+    return  # the conversions need every fine-tuned original; rerun when they are done
+
+  second, errors = [], {}
+  for seed in args.seeds:
+    for task in args.tasks:
+      source = sources.get((task, seed), PRETRAINED)
+      if args.decompose == 'finetuned':
+        second.append(run(f'{task}-original-again-s{seed}', task, seed,
+                          {'init_from': str(source)}, method='original', key_dim=None,
+                          stage=2))
+      for key_dim in args.key_dims:
+        for method in args.methods:
+          directory = converted(source, task, seed, method, key_dim, args, runs_dir)
+          conversion = json.loads((directory / 'conversion.json').read_text())
+          errors[f'{task}-{method}-k{key_dim}-s{seed}'] = conversion['relative_errors']
+          frozen = {'trainable': '^(?!.*mixing)'} if method == 'per_head_svd' else {}
+          second.append(run(f'{task}-{method}-k{key_dim}-s{seed}', task, seed,
+                            {**conversion['overrides'], **frozen, 'init_from': str(directory)},
+                            method=method, key_dim=key_dim, stage=2))
+  results = grid(first + second, args)
+  report(results, errors, args)
+
+
+def grid(runs, args):
+  if args.plot_only:
+    return runner.load_results(args.out)
+  results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel,
+                            refresh=args.refresh)
+  keep_predictions(results, args)
+  return results
+
+
+def converted(source, task, seed, method, key_dim, args, runs_dir) -> pathlib.Path:
+  """The run directory of `source` (a fine-tuned run, or the pretrained name) converted."""
+  from lowrank_attn import runs  # pylint: disable=g-import-not-at-top  (JAX: after the grid)
+  from lowrank_attn.models import bert  # pylint: disable=g-import-not-at-top
+  from lowrank_attn.reparam import write_run  # pylint: disable=g-import-not-at-top
+  from lowrank_attn.train import state as state_lib  # pylint: disable=g-import-not-at-top
+  origin = f'{task}-s{seed}' if source != PRETRAINED else 'pretrained'
+  directory = runs_dir / 'converted' / f'{origin}-{method}-k{key_dim}'
+  if not (directory / 'conversion.json').exists():
+    print(f'converting {origin} by {method} at D~k = {key_dim}', flush=True)
+    if directory.exists():
+      shutil.rmtree(directory)  # a conversion that was cut off: it writes conversion.json last
+    if source == PRETRAINED:
+      import configs.glue  # pylint: disable=g-import-not-at-top
+      model = bert.load_pretrained(state_lib.pretrained_dir(PRETRAINED))
+      config = configs.glue.get_config(task)
+    else:
+      model, config = runs.RunDir(source).model(), runs.RunDir(source).config
+    write_run(convert(model, method, key_dim, ['encoder']), directory,
+              runs.with_overrides(config, args.budget))
+  return directory
+
+
+def keep_predictions(results, args) -> None:
+  """Copies each finished run's dev predictions next to the results (the bootstrap reads
+  them; run directories may not survive)."""
+  target = args.out / 'predictions'
+  for entry in results['runs']:
+    path = target / f'{entry["name"]}.json'
+    if path.exists():
+      continue
+    found = sorted(pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob(
+        f'*/{PREDICTIONS}'))
+    if found:
+      target.mkdir(parents=True, exist_ok=True)
+      shutil.copyfile(found[-1], path)
+
+
+def report(results, errors, args) -> None:
+  rows = [r for r in runner.final(results, 'validation') if 'score' in r]
+  if not rows:
+    print('no finished run has a final dev evaluation yet')
+    return
+  table, summary = glue_table(rows, args.out / 'predictions', errors)
+  paper = paper_table([t for t in TASKS if any(r['task'] == t for r in rows)])
+  runner.files.write_json(args.out / 'table.json', summary)
+  (args.out / 'results.md').write_text(table + '\n\n' + paper)
+  print(table)
+  if not args.smoke:
+    runner.write_section(HERE / 'README.md', f'glue_{args.decompose}', '\n'.join([
+        runner.runs_summary(results), '', table, '', 'Cordonnier et al. (2020), Table 3, '
+        'BERT-base (dev; average over the tasks above):', '', paper]))
+
+
+def _label(row) -> tuple[str, int | None]:
+  if row['method'] != 'original':
+    return row['method'], row['key_dim']
+  return ('original, fine-tuned again' if row['stage'] == 2 else 'original'), None
+
+
+def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[dict]]:
+  """Mean dev score per task over seeds for each (method, D~k), their average, and B - A of
+  the average against the control with its paired bootstrap interval (`experiments.stats`)."""
+  from experiments import stats  # pylint: disable=g-import-not-at-top  (imports JAX)
+  tasks = [t for t in TASKS if any(r['task'] == t for r in rows)]
+  groups = {}
+  for row in rows:
+    groups.setdefault(_label(row), []).append(row)
+  control = (('original, fine-tuned again', None) if ('original, fine-tuned again', None)
+             in groups else ('original', None))
+
+  def predictions(group_rows, task):
+    found = [json.loads((predictions_dir / f'{r["name"]}.json').read_text())
+             for r in group_rows if r['task'] == task
+             and (predictions_dir / f'{r["name"]}.json').exists()]
+    return ([f['predictions'] for f in found], found[0]['labels']) if found else ([], None)
+
+  summary = []
+  for (method, key_dim), group in sorted(
+      groups.items(), key=lambda kv: (kv[0][1] is not None, -(kv[0][1] or 0), kv[0][0])):
+    entry = {'method': method, 'key_dim': key_dim,
+             'seeds': sorted({r['seed'] for r in group})}
+    for task in tasks:
+      scores = [r['score'] for r in group if r['task'] == task]
+      entry[task] = float(np.mean(scores)) if scores else None
+    done = [entry[t] for t in tasks if entry[t] is not None]
+    entry['average'] = float(np.mean(done)) if len(done) == len(tasks) else None
+    names = [r['name'] for r in group]
+    errs = [np.mean(list(errors[n].values())) for n in names if n in errors]
+    entry['mean_error'] = float(np.mean(errs)) if errs else None
+    if (method, key_dim) != control and entry['average'] is not None:
+      paired = {}
+      for task in tasks:
+        a, labels = predictions(groups[control], task)
+        b, _ = predictions(group, task)
+        if a and b:
+          paired[task] = (labels, a, b)
+      if len(paired) == len(tasks):
+        entry['difference'] = stats.glue_difference(paired).as_dict()
+    summary.append(entry)
+
+  cell = lambda v: '' if v is None else f'{v:.2f}'
+  diff = lambda e: (str(stats.Interval(**e['difference'])) if 'difference' in e else '')
+  table = runner.markdown_table(summary, [
+      ('method', 'method'), ('D~k', lambda e: e['key_dim'] or 384),
+      ('CP / SVD error', lambda e: cell(e['mean_error']))]
+      + [(task, lambda e, t=task: cell(e[t])) for task in tasks]
+      + [('average', lambda e: cell(e['average'])),
+         (f'average - {control[0]} [95%]', diff),
+         ('seeds', lambda e: ','.join(map(str, e['seeds'])))])
+  return table, summary
+
+
+def paper_table(tasks) -> str:
+  """The paper's BERT-base rows for `tasks` (MRPC and STS-B: the mean of their two metrics,
+  as our score), with their average over these tasks."""
+  score = lambda v: sum(v) / 2 if isinstance(v, tuple) else v
+  rows = [{'D~k': 'BERT-base' if k is None else k,
+           **{t: score(v[t]) for t in tasks},
+           'average': sum(score(v[t]) for t in tasks) / len(tasks)}
+          for k, v in PAPER_BERT_BASE.items()]
+  return runner.markdown_table(rows, [('D~k', 'D~k')] + [
+      (t, lambda r, t=t: f'{r[t]:.2f}') for t in [*tasks, 'average']])
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,106 @@
+"""Paired bootstrap intervals for the differences the experiments' READMEs state.
+
+    interval = stats.glue_difference({'rte': (labels, [a_seed0, a_seed1], [b_seed0, b_seed1])})
+    interval = stats.bleu_difference(references, system_a, system_b)
+    print(interval)   # '+1.23 [+0.40, +2.05]' : B minus A, with its 95% interval
+
+Both systems are scored on the same resampled examples (Koehn 2004; sacreBLEU's paired
+bootstrap), so what the two share (hard sentences, easy ones) cancels. Several tasks are
+resampled independently, each from its own examples (a stratified bootstrap), and several seeds
+of a system are averaged on the same resample. The interval is the percentile one; with the
+default 2,000 resamples its ends move by about 2% of its width between seeds of the bootstrap.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+import dataclasses
+
+import numpy as np
+
+SAMPLES = 2_000
+LEVEL = 0.95
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+  """A difference (B - A) on all examples and its bootstrap interval."""
+
+  estimate: float
+  low: float
+  high: float
+  level: float = LEVEL
+
+  @property
+  def excludes_zero(self) -> bool:
+    return self.low > 0 or self.high < 0
+
+  def __str__(self) -> str:
+    return f'{self.estimate:+.2f} [{self.low:+.2f}, {self.high:+.2f}]'
+
+  def as_dict(self) -> dict[str, float]:
+    return dataclasses.asdict(self)
+
+
+def bootstrap(difference: Callable[[Sequence[np.ndarray]], float], sizes: Sequence[int], *,
+              samples: int = SAMPLES, seed: int = 0, level: float = LEVEL) -> Interval:
+  """`difference(indices)` on all examples and the percentile interval of its resamples.
+
+  sizes: the number of examples of each group (task); `indices` holds one index array per
+    group, drawn with replacement from that group alone.
+  """
+  if not sizes or min(sizes) < 1:
+    raise ValueError(f'every group needs at least one example; sizes {list(sizes)}')
+  if not 0 < level < 1:
+    raise ValueError(f'level={level} must lie in (0, 1)')
+  rng = np.random.default_rng(seed)
+  estimate = float(difference([np.arange(n) for n in sizes]))
+  draws = np.array([difference([rng.integers(0, n, n) for n in sizes])
+                    for _ in range(samples)])
+  low, high = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
+  return Interval(estimate, float(low), float(high), level)
+
+
+def glue_difference(tasks: Mapping[str, tuple[Sequence[float], Sequence[Sequence[float]],
+                                                Sequence[Sequence[float]]]],
+                    **kwargs) -> Interval:
+  """B - A of the average GLUE score over `tasks`: task -> (labels, A's predictions per seed,
+  B's predictions per seed), every prediction list in the labels' order (the dev file's).
+  Each task's score is `glue_metrics`' (x100), averaged over the seeds of its system."""
+  from lowrank_attn.tasks.glue import glue_metrics  # pylint: disable=g-import-not-at-top
+  names = sorted(tasks)
+  prepared = []
+  for name in names:
+    labels, a, b = tasks[name]
+    labels = np.asarray(labels, np.float64)
+    a, b = (np.asarray(x, np.float64).reshape(-1, len(labels)) for x in (a, b))
+    if not (len(a) and len(b)):
+      raise ValueError(f'{name}: both systems need predictions of at least one seed')
+    prepared.append((name, labels, a, b))
+
+  def score(name, predictions, labels):
+    return np.mean([glue_metrics(name, p, labels)['score'] for p in predictions])
+
+  def difference(indices):
+    return np.mean([score(name, b[:, i], labels[i]) - score(name, a[:, i], labels[i])
+                    for (name, labels, a, b), i in zip(prepared, indices)])
+
+  return bootstrap(difference, [len(labels) for _, labels, _, _ in prepared], **kwargs)
+
+
+def bleu_difference(references: Sequence[str], system_a: Sequence[str],
+                    system_b: Sequence[str], *, tokenize: str = '13a', **kwargs) -> Interval:
+  """B - A in corpus BLEU (sacreBLEU, one reference per sentence): each resample sums the
+  sentences' n-gram statistics, as sacreBLEU's own paired bootstrap does."""
+  from sacrebleu.metrics import BLEU  # pylint: disable=g-import-not-at-top
+  if not len(references) == len(system_a) == len(system_b):
+    raise ValueError(f'{len(references)} references, {len(system_a)} and {len(system_b)} '
+                     'hypotheses: every system must translate every sentence')
+  bleu = BLEU(tokenize=tokenize)
+  stats_a, stats_b = (np.asarray(bleu._extract_corpus_statistics(list(hyps), [list(references)]))  # pylint: disable=protected-access
+                      for hyps in (system_a, system_b))
+  corpus = lambda stats: bleu._compute_score_from_stats(list(stats.sum(0))).score  # pylint: disable=protected-access
+
+  def difference(indices):
+    (i,) = indices
+    return corpus(stats_b[i]) - corpus(stats_a[i])
+
+  return bootstrap(difference, [len(references)], **kwargs)

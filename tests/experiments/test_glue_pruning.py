@@ -1,0 +1,120 @@
+"""The in-process parts of experiments/heads/glue_pruning.py: dev predictions with head masks
+equal the physically pruned model's, the pruning levels remove round(10% k) heads in increasing
+importance, random orders are seeded, the importance draw counts exactly N examples, and the
+roles shares count what they say."""
+
+import itertools
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.heads import glue_pruning as gp
+from lowrank_attn import models
+from lowrank_attn.pruning import prune_heads
+from lowrank_attn.tasks import glue
+
+V, D, H, LAYERS, LENGTH = 30, 16, 4, 2, 8
+
+
+def classifier(num_outputs: int):
+  spec = models.AttentionSpec(num_heads=H)
+  cfg = models.TransformerConfig(vocab_size=V, emb_dim=D, mlp_dim=32, num_encoder_layers=LAYERS,
+                                 num_decoder_layers=0, encoder_attention=spec, max_length=16,
+                                 dropout_rate=0.0, type_vocab_size=2, norm='post')
+  model = glue.SentenceClassifier(cfg, num_outputs=num_outputs, pooling='mean',
+                                  classifier_dropout=0.0, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(1)  # every weight random: no head is trivially silent
+  nnx.update(model, jax.tree.map(
+      lambda x: x + 0.5 * jnp.asarray(rng.standard_normal(x.shape), x.dtype),
+      nnx.state(model, nnx.Param)))
+  return model
+
+
+def glue_batches(num_outputs: int, rows=(4, 4), real=(4, 2), seed=0):
+  """Batches as the GLUE pipeline yields them; the last rows of a batch may be padding."""
+  rng = np.random.default_rng(seed)
+  batches = []
+  for n, m in zip(rows, real):
+    lengths = rng.integers(3, LENGTH + 1, n)
+    inputs = rng.integers(3, V, (n, LENGTH)).astype(np.int32)
+    inputs[np.arange(LENGTH)[None, :] >= lengths[:, None]] = 0
+    segment_ids = (inputs != 0).astype(np.int32)
+    batches.append({
+        'inputs': inputs, 'segment_ids': segment_ids,
+        'positions': np.where(segment_ids > 0, np.arange(LENGTH)[None, :], 0).astype(np.int32),
+        'token_types': ((np.arange(LENGTH)[None, :] >= 2) * segment_ids).astype(np.int32),
+        'targets': (rng.random(n).astype(np.float32) * 5 if num_outputs == 1
+                    else rng.integers(0, num_outputs, n).astype(np.int32)),
+        'weights': (np.arange(n) < m).astype(np.float32)})
+  return batches
+
+
+@pytest.mark.heavy  # three XLA compiles: over the fast tier's budget on the 2-core machine
+@pytest.mark.parametrize('num_outputs', [1, 3], ids=['regression', 'classification'])
+def test_masked_predictions_equal_the_pruned_models(num_outputs):
+  model, batches = classifier(num_outputs), glue_batches(num_outputs)
+  keep = np.array([[1, 0, 1, 1], [0, 0, 0, 0]], bool)  # the second layer loses every head
+  masked, labels = gp.dev_predictions(model, batches, keep)
+  pruned, pruned_labels = gp.dev_predictions(prune_heads(model, {'encoder': keep}), batches)
+  full, _ = gp.dev_predictions(model, batches)
+  assert len(masked) == 6  # padding rows left out
+  np.testing.assert_array_equal(labels, np.concatenate([b['targets'][:m]
+                                                        for b, m in zip(batches, (4, 2))]))
+  np.testing.assert_array_equal(pruned_labels, labels)
+  if num_outputs == 1:
+    np.testing.assert_allclose(masked, pruned, atol=1e-5)
+    assert np.abs(masked - full).max() > 1e-3  # the masks do change the scores
+  else:
+    np.testing.assert_array_equal(masked, pruned)
+    assert (masked != full).any()  # (seeded: the masks change some classes)
+
+
+def test_levels_remove_round_tenths_of_the_heads_in_increasing_importance():
+  importance = np.random.default_rng(0).random((6, 12))
+  keeps = gp.level_keeps(gp.importance_order(importance), gp.LEVELS, (6, 12))
+  removed = [int((~k).sum()) for k in keeps]
+  assert removed == [round(0.1 * k * 72) for k in range(10)]
+  assert removed == [0, 7, 14, 22, 29, 36, 43, 50, 58, 65]
+  for keep in keeps[1:]:
+    assert importance[~keep].max() < importance[keep].min()  # the least important go first
+  for earlier, later in zip(keeps, keeps[1:]):
+    assert not (later & ~earlier).any()  # a removed head stays removed
+
+
+def test_random_orders_are_seeded_and_keep_the_count():
+  draws = [gp.level_keeps(gp.random_order(seed, (6, 12)), gp.LEVELS, (6, 12))
+           for seed in (0, 0, 1)]
+  for a, b in zip(draws[0], draws[1]):
+    np.testing.assert_array_equal(a, b)
+  assert any((a != b).any() for a, b in zip(draws[0], draws[2]))
+  for keeps in draws:
+    assert [int(k.sum()) for k in keeps] == [72 - round(0.1 * k * 72) for k in range(10)]
+
+
+def test_the_importance_draw_counts_exactly_the_examples_asked_for():
+  batches = glue_batches(1, rows=(4, 4, 4, 4), real=(4, 3, 4, 4))
+  taken = gp.first_examples(iter(batches), 6)
+  assert len(taken) == 2 and sum(float(b['weights'].sum()) for b in taken) == 6
+  np.testing.assert_array_equal(taken[1]['weights'], [1, 1, 0, 0])
+  np.testing.assert_array_equal(batches[1]['weights'], [1, 1, 1, 0])  # the input is not changed
+
+
+def test_role_shares_count_the_survivors_with_roles():
+  roles = {(0, 0): ['positional (prev)'], (0, 1): ['syntactic (nsubj ->)', 'rare'],
+           (1, 0): [], (1, 1): ['rare'], (2, 0): [], (2, 1): []}
+  keep = np.array([[1, 0], [1, 1], [0, 0]], bool)
+  shares = gp.role_shares(keep, roles)
+  assert shares['kept'] == 3
+  assert (shares['any']['kept'], shares['any']['role_heads']) == (2, 3)
+  assert shares['any']['share_kept'] == pytest.approx(2 / 3)
+  assert shares['any']['share_all'] == pytest.approx(3 / 6)
+  assert (shares['rare']['kept'], shares['rare']['role_heads']) == (1, 2)
+  assert (shares['syntactic']['kept'], shares['positional']['kept']) == (0, 1)
+  # P(at least 2 of the 3 role heads among 3 random survivors of 6), by enumeration.
+  draws = list(itertools.combinations(roles, 3))
+  marked = {h for h, labels in roles.items() if labels}
+  expected = sum(len(marked & set(d)) >= 2 for d in draws) / len(draws)
+  assert shares['any']['p_at_least'] == pytest.approx(expected)
