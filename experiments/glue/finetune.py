@@ -21,8 +21,13 @@ from experiments import runner
 HERE = pathlib.Path(__file__).resolve().parent
 TASKS = ('stsb', 'rte', 'mrpc', 'cola', 'sst2')
 # The metrics GLUE reports per task (x100), then the task's score.
-METRICS = {'cola': ('matthews',), 'sst2': ('accuracy',), 'mrpc': ('f1', 'accuracy'),
-           'rte': ('accuracy',), 'stsb': ('pearson', 'spearman')}
+METRICS = {
+    'cola': ('matthews',),
+    'sst2': ('accuracy',),
+    'mrpc': ('f1', 'accuracy'),
+    'rte': ('accuracy',),
+    'stsb': ('pearson', 'spearman'),
+}
 
 
 def arguments():
@@ -55,8 +60,9 @@ def main():
   if args.plot_only:
     results = runner.load_results(args.out)
   else:
-    results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel,
-                              refresh=args.refresh)
+    results = runner.run_grid(
+        runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
+    )
   report(results, args)
 
 
@@ -67,15 +73,23 @@ def report(results, args) -> None:
     return
   rows.sort(key=lambda r: (TASKS.index(r['task']), r['seed']))
   metric = lambda r: ', '.join(f'{name} {r[name]:.2f}' for name in METRICS[r['task']])
-  table = runner.markdown_table(rows, [
-      ('task', 'task'), ('seed', 'seed'), ('dev examples', lambda r: f"{r['examples']:,.0f}"),
-      ('dev metrics (x100)', metric), ('score', lambda r: f"{r['score']:.2f}"),
-      ('steps', lambda r: f"{r['step']:,}"),
-      ('minutes', lambda r: f"{r['wall_time_s'] / 60:.0f}")])
+  table = runner.markdown_table(
+      rows,
+      [
+          ('task', 'task'),
+          ('seed', 'seed'),
+          ('dev examples', lambda r: f"{r['examples']:,.0f}"),
+          ('dev metrics (x100)', metric),
+          ('score', lambda r: f"{r['score']:.2f}"),
+          ('steps', lambda r: f"{r['step']:,}"),
+          ('minutes', lambda r: f"{r['wall_time_s'] / 60:.0f}"),
+      ],
+  )
   (args.out / 'results.md').write_text(table)
   if not args.smoke:
-    runner.write_section(HERE / 'README.md', 'finetune', '\n'.join([
-        runner.runs_summary(results), '', table]))
+    runner.write_section(
+        HERE / 'README.md', 'finetune', '\n'.join([runner.runs_summary(results), '', table])
+    )
 
 
 if __name__ == '__main__':

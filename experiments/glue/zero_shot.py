@@ -40,8 +40,9 @@ def stsb_zero_shot(tfds_data_dir, model=None, length: int = 128) -> dict[str, fl
     for i, text in enumerate(texts):
       ids = [tokenizer.bos_id, *tokenizer.encode(text)[: length - 2], tokenizer.eos_id]
       rows[i, : len(ids)] = ids
-    return np.concatenate([np.asarray(embed_fn(params, rows[i : i + 500]))
-                           for i in range(0, len(rows), 500)])
+    return np.concatenate(
+        [np.asarray(embed_fn(params, rows[i : i + 500])) for i in range(0, len(rows), 500)]
+    )
 
   a = embed([e['sentence1'].decode() for e in examples])
   b = embed([e['sentence2'].decode() for e in examples])
