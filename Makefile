@@ -39,8 +39,9 @@ test-all: $(STAMP)
 
 # The fast tier (< 3 minutes on 2 cores): `make test` less the tests that start the command
 # line or a worker process or train end to end (marked integration: tests/conftest.py lists
-# them, and under --unit fails an unmarked test that does either).
-test-unit: $(STAMP)
+# them, and under --unit fails an unmarked test that does either). It starts with the format
+# check: the tree is in pyink's style (`make format` puts it there).
+test-unit: $(STAMP) format-check
 	$(PYTEST) --unit tests
 
 # The GPU tests (tests/gpu: cuDNN attention and our Pallas kernel against the materialising

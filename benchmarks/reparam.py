@@ -71,10 +71,17 @@ def bench_case(query_kernel, key_kernel, key_dim, repeats):
     jax.block_until_ready(result.query_kernel)
     times.append(time.perf_counter() - start)
   ours_s = statistics.median(times)
-  ours = dense_error(tensor, np.ones(key_dim), result.query_kernel, result.mixing,
-                     result.key_kernel)
-  return dict(theirs=theirs, ours=ours, reported=result.relative_error, theirs_s=theirs_s,
-              ours_s=ours_s, sweeps=result.num_iterations)
+  ours = dense_error(
+      tensor, np.ones(key_dim), result.query_kernel, result.mixing, result.key_kernel
+  )
+  return dict(
+      theirs=theirs,
+      ours=ours,
+      reported=result.relative_error,
+      theirs_s=theirs_s,
+      ours_s=ours_s,
+      sweeps=result.num_iterations,
+  )
 
 
 def main(argv=None):
@@ -95,7 +102,7 @@ def main(argv=None):
       f'CP re-parametrization of all-MiniLM-L6-v2 query/key weights ({heads} heads of '
       f'{d_model // heads}, D = {d_model}): T `[{d_model}, {heads}, {d_model}]`, rank = key_dim.',
       "tensorly: `parafac(T, key_dim, init='svd', n_iter_max=100, random_state=0)`, numpy backend,"
-      ' float32 T (the paper\'s code). ours: `collaborative_factors(query_kernel, key_kernel, '
+      " float32 T (the paper's code). ours: `collaborative_factors(query_kernel, key_kernel, "
       'key_dim)`, defaults. Errors |T - T^|_F / |T|_F recomputed densely in float64 for both; '
       f'time: one tensorly call, median of {args.repeats} calls of ours after a warm-up.',
       f'Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, shared '
@@ -114,8 +121,10 @@ def main(argv=None):
       row = bench_case(*kernels[layer], key_dim, args.repeats)
       rows.append(row)
       speedup = row['theirs_s'] / row['ours_s']
-      line = (f"| {layer} | {key_dim} | {row['theirs']:.5f} | {row['ours']:.5f} | "
-              f"{row['theirs_s']:.2f} | {row['ours_s']:.3f} | {speedup:.1f}x | {row['sweeps']} |")
+      line = (
+          f"| {layer} | {key_dim} | {row['theirs']:.5f} | {row['ours']:.5f} | "
+          f"{row['theirs_s']:.2f} | {row['ours_s']:.3f} | {speedup:.1f}x | {row['sweeps']} |"
+      )
       lines.append(line)
       print(line, flush=True)
   ratios = [r['theirs_s'] / r['ours_s'] for r in rows]

@@ -88,9 +88,10 @@ class FlaxLM(nnx.Module):
 
   def __call__(self, tokens, segments):
     x = self.embed(tokens) * jnp.sqrt(self.embed.features)
-    x = x + self.positions[...][None, :tokens.shape[1]]
-    mask = nnx.combine_masks(nnx.make_causal_mask(tokens),
-                             nnx.make_attention_mask(segments, segments, jnp.equal))
+    x = x + self.positions[...][None, : tokens.shape[1]]
+    mask = nnx.combine_masks(
+        nnx.make_causal_mask(tokens), nnx.make_attention_mask(segments, segments, jnp.equal)
+    )
     for block in self.blocks:
       x = block(x, mask)
     return self.out(self.norm(x))
@@ -105,8 +106,7 @@ class FlaxEncoderDecoder(nnx.Module):
     self.positions = nnx.Param(jax.random.normal(rngs.params(), (length, d)) * 0.02)
     self.encoder = nnx.List([FlaxBlock(d, heads, rngs, mlp) for _ in range(layers)])
     self.encoder_norm = nnx.LayerNorm(d, rngs=rngs)
-    self.decoder = nnx.List([FlaxBlock(d, heads, rngs, mlp, cross=True)
-                             for _ in range(layers)])
+    self.decoder = nnx.List([FlaxBlock(d, heads, rngs, mlp, cross=True) for _ in range(layers)])
     self.decoder_norm = nnx.LayerNorm(d, rngs=rngs)
 
   def _embed(self, tokens, positions):
@@ -124,8 +124,9 @@ class FlaxEncoderDecoder(nnx.Module):
     shifted = jnp.pad(batch['targets'], ((0, 0), (1, 0)))[:, :-1]
     shifted = jnp.where(batch['targets_positions'] == 0, self.bos_id, shifted)
     y = self._embed(shifted, batch['targets_positions'])
-    self_mask = nnx.combine_masks(nnx.make_causal_mask(shifted),
-                                  nnx.make_attention_mask(tgt_seg, tgt_seg, jnp.equal))
+    self_mask = nnx.combine_masks(
+        nnx.make_causal_mask(shifted), nnx.make_attention_mask(tgt_seg, tgt_seg, jnp.equal)
+    )
     cross_mask = nnx.make_attention_mask(tgt_seg, src_seg, jnp.equal)
     for block in self.decoder:
       y = block(y, self_mask, encoded, cross_mask)
@@ -140,13 +141,15 @@ def flax_step_fn(graphdef, tx, label_smoothing=0.0):
         logits = model(batch)
       else:
         logits = model(batch['inputs'], batch['segment_ids'])
-      sums = train.cross_entropy(logits, batch['targets'], batch['weights'],
-                                 label_smoothing=label_smoothing)
+      sums = train.cross_entropy(
+          logits, batch['targets'], batch['weights'], label_smoothing=label_smoothing
+      )
       return sums['nll'] / jnp.maximum(sums['weight'], 1.0)
+
     loss, grads = jax.value_and_grad(loss_fn)(state['params'])
     updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
-    return {'params': optax.apply_updates(state['params'], updates),
-            'opt_state': opt_state}, loss
+    return {'params': optax.apply_updates(state['params'], updates), 'opt_state': opt_state}, loss
+
   return jax.jit(step, donate_argnums=0)
 
 
@@ -159,18 +162,22 @@ def nmt_setup(args):
   m, rows, length = config.model, config.per_device_batch_size, config.data.max_length
   heads = m.attention.num_heads
   if m.num_encoder_layers != m.num_decoder_layers or not isinstance(heads, int):
-    raise ValueError('--nmt_config: the flax baseline needs equal encoder/decoder depth and '
-                     'one head count.')
+    raise ValueError(
+        '--nmt_config: the flax baseline needs equal encoder/decoder depth and ' 'one head count.'
+    )
   vocab = config.data.vocab_size
-  model = FlaxEncoderDecoder(vocab, m.emb_dim, m.mlp_dim, heads, m.num_encoder_layers,
-                             m.max_length, 1, nnx.Rngs(0))
+  model = FlaxEncoderDecoder(
+      vocab, m.emb_dim, m.mlp_dim, heads, m.num_encoder_layers, m.max_length, 1, nnx.Rngs(0)
+  )
   r = np.random.RandomState(0)
   pairs = 4  # packed pairs per row; every token real
   segments = np.repeat(np.arange(1, pairs + 1, dtype=np.int32), length // pairs)
   positions = np.tile(np.arange(length // pairs, dtype=np.int32), pairs)
-  batch = {'inputs': r.randint(3, vocab, (rows, length)).astype(np.int32),
-           'targets': r.randint(3, vocab, (rows, length)).astype(np.int32),
-           'weights': np.ones((rows, length), np.float32)}
+  batch = {
+      'inputs': r.randint(3, vocab, (rows, length)).astype(np.int32),
+      'targets': r.randint(3, vocab, (rows, length)).astype(np.int32),
+      'weights': np.ones((rows, length), np.float32),
+  }
   for side in ('inputs', 'targets'):
     batch[f'{side}_segment_ids'] = np.tile(segments, (rows, 1))
     batch[f'{side}_positions'] = np.tile(positions, (rows, 1))
@@ -181,9 +188,13 @@ def make_batch(args):
   r = np.random.RandomState(0)
   shape = (args.batch, args.length)
   tokens = r.randint(3, args.vocab, shape).astype(np.int32)
-  return {'inputs': tokens, 'targets': np.roll(tokens, -1, axis=1),
-          'weights': np.ones(shape, np.float32), 'segment_ids': np.ones(shape, np.int32),
-          'positions': np.tile(np.arange(args.length, dtype=np.int32), (args.batch, 1))}
+  return {
+      'inputs': tokens,
+      'targets': np.roll(tokens, -1, axis=1),
+      'weights': np.ones(shape, np.float32),
+      'segment_ids': np.ones(shape, np.int32),
+      'positions': np.tile(np.arange(args.length, dtype=np.int32), (args.batch, 1)),
+  }
 
 
 def main():
@@ -196,8 +207,9 @@ def main():
   parser.add_argument('--vocab', type=int, default=8192)
   parser.add_argument('--repeats', type=int, default=20)
   parser.add_argument('--quick', action='store_true', help='5 repetitions')
-  parser.add_argument('--nmt_config', default=None,
-                      help="a translation config, e.g. 'configs/nmt.py:multi30k'")
+  parser.add_argument(
+      '--nmt_config', default=None, help="a translation config, e.g. 'configs/nmt.py:multi30k'"
+  )
   args = parser.parse_args()
   repeats = 5 if args.quick else args.repeats
 
@@ -242,26 +254,40 @@ def main():
     jax.block_until_ready(loss)
     times['flax'].append(time.perf_counter() - start)
 
-  tokens = sum(int(np.sum(batch[k] != 0)) for k in ('inputs', 'targets')
-               if k in batch and (args.nmt_config or k == 'inputs'))
+  tokens = sum(
+      int(np.sum(batch[k] != 0))
+      for k in ('inputs', 'targets')
+      if k in batch and (args.nmt_config or k == 'inputs')
+  )
   m = config.model
-  layers = (f'{m.num_encoder_layers}+{m.num_decoder_layers} layers' if args.nmt_config
-            else f'{m.num_decoder_layers} layers')
-  print(f'{platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, '
-        f'jax {jax.__version__}; {args.nmt_config or "decoder LM"}: {layers}, D={m.emb_dim}, '
-        f'{m.attention.num_heads} heads, batch {batch["inputs"].shape}, vocab {vocab}, float32')
-  print(f'{metrics.describe_peak(per_device_peak)}; training step: '
-        f'{flops / 1e9:.1f} GFLOP (3x forward matmuls)')
+  layers = (
+      f'{m.num_encoder_layers}+{m.num_decoder_layers} layers'
+      if args.nmt_config
+      else f'{m.num_decoder_layers} layers'
+  )
+  print(
+      f'{platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, '
+      f'jax {jax.__version__}; {args.nmt_config or "decoder LM"}: {layers}, D={m.emb_dim}, '
+      f'{m.attention.num_heads} heads, batch {batch["inputs"].shape}, vocab {vocab}, float32'
+  )
+  print(
+      f'{metrics.describe_peak(per_device_peak)}; training step: '
+      f'{flops / 1e9:.1f} GFLOP (3x forward matmuls)'
+  )
   print(f'parameters: ours {ours_params:,}, flax {flax_params:,}')
   print(f'{"model":8} {"step ms":>8} {"tokens/s":>10} {"GFLOP/s":>8} {"MFU":>6}')
   medians = {}
   for name, values in times.items():
     medians[name] = statistics.median(values)
-    print(f'{name:8} {1e3 * medians[name]:8.1f} {tokens / medians[name]:10,.0f} '
-          f'{flops / medians[name] / 1e9:8.1f} '
-          + (f'{100 * flops / medians[name] / peak:5.1f}%' if peak else '     -'))
-  print(f'ours / flax throughput: {medians["flax"] / medians["ours"]:.2f}x '
-        f'(> 1: ours faster); median of {repeats} interleaved steps each')
+    print(
+        f'{name:8} {1e3 * medians[name]:8.1f} {tokens / medians[name]:10,.0f} '
+        f'{flops / medians[name] / 1e9:8.1f} '
+        + (f'{100 * flops / medians[name] / peak:5.1f}%' if peak else '     -')
+    )
+  print(
+      f'ours / flax throughput: {medians["flax"] / medians["ours"]:.2f}x '
+      f'(> 1: ours faster); median of {repeats} interleaved steps each'
+  )
 
 
 if __name__ == '__main__':

@@ -40,8 +40,14 @@ class Interval:
     return dataclasses.asdict(self)
 
 
-def bootstrap(difference: Callable[[Sequence[np.ndarray]], float], sizes: Sequence[int], *,
-              samples: int = SAMPLES, seed: int = 0, level: float = LEVEL) -> Interval:
+def bootstrap(
+    difference: Callable[[Sequence[np.ndarray]], float],
+    sizes: Sequence[int],
+    *,
+    samples: int = SAMPLES,
+    seed: int = 0,
+    level: float = LEVEL,
+) -> Interval:
   """`difference(indices)` on all examples and the percentile interval of its resamples.
 
   sizes: the number of examples of each group (task); `indices` holds one index array per
@@ -53,19 +59,22 @@ def bootstrap(difference: Callable[[Sequence[np.ndarray]], float], sizes: Sequen
     raise ValueError(f'level={level} must lie in (0, 1)')
   rng = np.random.default_rng(seed)
   estimate = float(difference([np.arange(n) for n in sizes]))
-  draws = np.array([difference([rng.integers(0, n, n) for n in sizes])
-                    for _ in range(samples)])
+  draws = np.array([difference([rng.integers(0, n, n) for n in sizes]) for _ in range(samples)])
   low, high = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
   return Interval(estimate, float(low), float(high), level)
 
 
-def glue_difference(tasks: Mapping[str, tuple[Sequence[float], Sequence[Sequence[float]],
-                                                Sequence[Sequence[float]]]],
-                    **kwargs) -> Interval:
+def glue_difference(
+    tasks: Mapping[
+        str, tuple[Sequence[float], Sequence[Sequence[float]], Sequence[Sequence[float]]]
+    ],
+    **kwargs,
+) -> Interval:
   """B - A of the average GLUE score over `tasks`: task -> (labels, A's predictions per seed,
   B's predictions per seed), every prediction list in the labels' order (the dev file's).
   Each task's score is `glue_metrics`' (x100), averaged over the seeds of its system."""
   from lowrank_attn.tasks.glue import glue_metrics  # pylint: disable=g-import-not-at-top
+
   names = sorted(tasks)
   prepared = []
   for name in names:
@@ -80,23 +89,38 @@ def glue_difference(tasks: Mapping[str, tuple[Sequence[float], Sequence[Sequence
     return np.mean([glue_metrics(name, p, labels)['score'] for p in predictions])
 
   def difference(indices):
-    return np.mean([score(name, b[:, i], labels[i]) - score(name, a[:, i], labels[i])
-                    for (name, labels, a, b), i in zip(prepared, indices)])
+    return np.mean(
+        [
+            score(name, b[:, i], labels[i]) - score(name, a[:, i], labels[i])
+            for (name, labels, a, b), i in zip(prepared, indices)
+        ]
+    )
 
   return bootstrap(difference, [len(labels) for _, labels, _, _ in prepared], **kwargs)
 
 
-def bleu_difference(references: Sequence[str], system_a: Sequence[str],
-                    system_b: Sequence[str], *, tokenize: str = '13a', **kwargs) -> Interval:
+def bleu_difference(
+    references: Sequence[str],
+    system_a: Sequence[str],
+    system_b: Sequence[str],
+    *,
+    tokenize: str = '13a',
+    **kwargs,
+) -> Interval:
   """B - A in corpus BLEU (sacreBLEU, one reference per sentence): each resample sums the
   sentences' n-gram statistics, as sacreBLEU's own paired bootstrap does."""
   from sacrebleu.metrics import BLEU  # pylint: disable=g-import-not-at-top
+
   if not len(references) == len(system_a) == len(system_b):
-    raise ValueError(f'{len(references)} references, {len(system_a)} and {len(system_b)} '
-                     'hypotheses: every system must translate every sentence')
+    raise ValueError(
+        f'{len(references)} references, {len(system_a)} and {len(system_b)} '
+        'hypotheses: every system must translate every sentence'
+    )
   bleu = BLEU(tokenize=tokenize)
-  stats_a, stats_b = (np.asarray(bleu._extract_corpus_statistics(list(hyps), [list(references)]))  # pylint: disable=protected-access
-                      for hyps in (system_a, system_b))
+  stats_a, stats_b = (
+      np.asarray(bleu._extract_corpus_statistics(list(hyps), [list(references)]))  # pylint: disable=protected-access
+      for hyps in (system_a, system_b)
+  )
   corpus = lambda stats: bleu._compute_score_from_stats(list(stats.sum(0))).score  # pylint: disable=protected-access
 
   def difference(indices):

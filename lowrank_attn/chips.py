@@ -40,27 +40,59 @@ class Chip:
 
 CHIPS = {
     'v4': Chip(
-        'v4', 32 * GIB, 275e12, hbm_bytes_per_sec=1200e9, cores_per_chip=2, chips_per_host=4,
+        'v4',
+        32 * GIB,
+        275e12,
+        hbm_bytes_per_sec=1200e9,
+        cores_per_chip=2,
+        chips_per_host=4,
         max_single_host_chips=4,
-        accelerator_prefix='v4', runtime_version='tpu-ubuntu2204-base',
-        device_kinds=('TPU v4',), source='https://cloud.google.com/tpu/docs/v4'),
+        accelerator_prefix='v4',
+        runtime_version='tpu-ubuntu2204-base',
+        device_kinds=('TPU v4',),
+        source='https://cloud.google.com/tpu/docs/v4',
+    ),
     'v5e': Chip(
-        'v5e', 16 * GIB, 197e12, hbm_bytes_per_sec=819e9, cores_per_chip=1, chips_per_host=4,
+        'v5e',
+        16 * GIB,
+        197e12,
+        hbm_bytes_per_sec=819e9,
+        cores_per_chip=1,
+        chips_per_host=4,
         max_single_host_chips=8,
-        accelerator_prefix='v5litepod', runtime_version='v2-alpha-tpuv5-lite',
-        device_kinds=('TPU v5 lite', 'TPU v5e'), source='https://cloud.google.com/tpu/docs/v5e',
-        chip_counts=(1, 4, 8, 16, 32, 64, 128, 256)),
+        accelerator_prefix='v5litepod',
+        runtime_version='v2-alpha-tpuv5-lite',
+        device_kinds=('TPU v5 lite', 'TPU v5e'),
+        source='https://cloud.google.com/tpu/docs/v5e',
+        chip_counts=(1, 4, 8, 16, 32, 64, 128, 256),
+    ),
     'v5p': Chip(
-        'v5p', 95 * GIB, 459e12, hbm_bytes_per_sec=2765e9, cores_per_chip=2, chips_per_host=4,
+        'v5p',
+        95 * GIB,
+        459e12,
+        hbm_bytes_per_sec=2765e9,
+        cores_per_chip=2,
+        chips_per_host=4,
         max_single_host_chips=4,
-        accelerator_prefix='v5p', runtime_version='v2-alpha-tpuv5',
-        device_kinds=('TPU v5', 'TPU v5p'), source='https://cloud.google.com/tpu/docs/v5p'),
+        accelerator_prefix='v5p',
+        runtime_version='v2-alpha-tpuv5',
+        device_kinds=('TPU v5', 'TPU v5p'),
+        source='https://cloud.google.com/tpu/docs/v5p',
+    ),
     'v6e': Chip(
-        'v6e', 32 * GIB, 918e12, hbm_bytes_per_sec=1640e9, cores_per_chip=1, chips_per_host=4,
+        'v6e',
+        32 * GIB,
+        918e12,
+        hbm_bytes_per_sec=1640e9,
+        cores_per_chip=1,
+        chips_per_host=4,
         max_single_host_chips=8,
-        accelerator_prefix='v6e', runtime_version='v2-alpha-tpuv6e',
-        device_kinds=('TPU v6 lite', 'TPU v6e'), source='https://cloud.google.com/tpu/docs/v6e',
-        chip_counts=(1, 4, 8, 16, 32, 64, 128, 256)),
+        accelerator_prefix='v6e',
+        runtime_version='v2-alpha-tpuv6e',
+        device_kinds=('TPU v6 lite', 'TPU v6e'),
+        source='https://cloud.google.com/tpu/docs/v6e',
+        chip_counts=(1, 4, 8, 16, 32, 64, 128, 256),
+    ),
 }
 # What people write for the v5e prefix.
 _PREFIX_ALIASES = {'v5e': 'v5litepod', 'v5lite': 'v5litepod', 'v6litepod': 'v6e'}
@@ -89,21 +121,29 @@ def parse_accelerator_type(accelerator_type: str) -> Slice:
   prefix = match and _PREFIX_ALIASES.get(match.group(1), match.group(1))
   if not match or prefix not in prefixes:
     valid = ', '.join(f'{p}-N' for p in prefixes)
-    raise ValueError(f'accelerator type {accelerator_type!r} is not one of {valid} '
-                     "(e.g. 'v4-8', 'v5litepod-16', 'v5p-32', 'v6e-8').")
+    raise ValueError(
+        f'accelerator type {accelerator_type!r} is not one of {valid} '
+        "(e.g. 'v4-8', 'v5litepod-16', 'v5p-32', 'v6e-8')."
+    )
   chip, count = prefixes[prefix], int(match.group(2))
   if count % chip.cores_per_chip:
-    raise ValueError(f'{accelerator_type!r}: {chip.name} types count TensorCores, '
-                     f'{chip.cores_per_chip} per chip; use a multiple of {chip.cores_per_chip}.')
+    raise ValueError(
+        f'{accelerator_type!r}: {chip.name} types count TensorCores, '
+        f'{chip.cores_per_chip} per chip; use a multiple of {chip.cores_per_chip}.'
+    )
   num_chips = count // chip.cores_per_chip
   if chip.chip_counts and num_chips not in chip.chip_counts:
-    raise ValueError(f'{accelerator_type!r}: {chip.name} slices have '
-                     f"{', '.join(map(str, chip.chip_counts))} chips.")
+    raise ValueError(
+        f'{accelerator_type!r}: {chip.name} slices have '
+        f"{', '.join(map(str, chip.chip_counts))} chips."
+    )
   if num_chips <= chip.max_single_host_chips:
     num_hosts = 1
   elif num_chips % chip.chips_per_host:
-    raise ValueError(f'{accelerator_type!r}: a multi-host {chip.name} slice has a multiple of '
-                     f'{chip.chips_per_host} chips.')
+    raise ValueError(
+        f'{accelerator_type!r}: a multi-host {chip.name} slice has a multiple of '
+        f'{chip.chips_per_host} chips.'
+    )
   else:
     num_hosts = num_chips // chip.chips_per_host
   return Slice(f'{prefix}-{count}', chip, num_chips, num_hosts)
@@ -121,24 +161,48 @@ class Gpu:
 
 
 GPUS = {
-    'h100_sxm': Gpu('h100_sxm', 989.5e12, r'H100 (80GB HBM3|SXM)',
-                    'https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM: BF16 Tensor '
-                    'Core 1,979 TFLOPS with sparsity)'),
-    'h100_pcie': Gpu('h100_pcie', 756.5e12, r'H100 PCIe',
-                     'https://www.nvidia.com/en-us/data-center/h100/ (H100 PCIe: BF16 Tensor '
-                     'Core 1,513 TFLOPS with sparsity)'),
-    'h100_nvl': Gpu('h100_nvl', 835.5e12, r'H100 NVL',
-                    'https://www.nvidia.com/en-us/data-center/h100/ (H100 NVL: BF16 Tensor '
-                    'Core 1,671 TFLOPS with sparsity)'),
-    'h200_sxm': Gpu('h200_sxm', 989.5e12, r'H200(?! NVL)',
-                    'https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM: BF16 Tensor '
-                    'Core 1,979 TFLOPS with sparsity)'),
-    'h200_nvl': Gpu('h200_nvl', 835.5e12, r'H200 NVL',
-                    'https://www.nvidia.com/en-us/data-center/h200/ (H200 NVL: BF16 Tensor '
-                    'Core 1,671 TFLOPS with sparsity)'),
-    'a100': Gpu('a100', 312e12, r'A100',  # SXM and PCIe, 40 and 80 GB
-                'https://www.nvidia.com/en-us/data-center/a100/ (A100: BF16 Tensor Core '
-                '312 TFLOPS, 624 with sparsity)'),
+    'h100_sxm': Gpu(
+        'h100_sxm',
+        989.5e12,
+        r'H100 (80GB HBM3|SXM)',
+        'https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM: BF16 Tensor '
+        'Core 1,979 TFLOPS with sparsity)',
+    ),
+    'h100_pcie': Gpu(
+        'h100_pcie',
+        756.5e12,
+        r'H100 PCIe',
+        'https://www.nvidia.com/en-us/data-center/h100/ (H100 PCIe: BF16 Tensor '
+        'Core 1,513 TFLOPS with sparsity)',
+    ),
+    'h100_nvl': Gpu(
+        'h100_nvl',
+        835.5e12,
+        r'H100 NVL',
+        'https://www.nvidia.com/en-us/data-center/h100/ (H100 NVL: BF16 Tensor '
+        'Core 1,671 TFLOPS with sparsity)',
+    ),
+    'h200_sxm': Gpu(
+        'h200_sxm',
+        989.5e12,
+        r'H200(?! NVL)',
+        'https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM: BF16 Tensor '
+        'Core 1,979 TFLOPS with sparsity)',
+    ),
+    'h200_nvl': Gpu(
+        'h200_nvl',
+        835.5e12,
+        r'H200 NVL',
+        'https://www.nvidia.com/en-us/data-center/h200/ (H200 NVL: BF16 Tensor '
+        'Core 1,671 TFLOPS with sparsity)',
+    ),
+    'a100': Gpu(
+        'a100',
+        312e12,
+        r'A100',  # SXM and PCIe, 40 and 80 GB
+        'https://www.nvidia.com/en-us/data-center/a100/ (A100: BF16 Tensor Core '
+        '312 TFLOPS, 624 with sparsity)',
+    ),
 }
 
 

@@ -23,10 +23,20 @@ BAD_INPUT = 2  # exit status
 def define_flags(flag_values: flags.FlagValues, sys_argv: list[str] | None = None) -> None:
   """The command's flags: on absl's FLAGS when this module is imported; `tpu/launch.py` checks
   the training command it will start on FlagValues of its own (`sys_argv`: that command)."""
-  flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and config.json.',
-                      flag_values=flag_values)
-  config_flags.DEFINE_config_file('config', None, 'Task config file, e.g. configs/lm.py:tiny.',
-                                  flag_values=flag_values, lock_config=True, sys_argv=sys_argv)
+  flags.DEFINE_string(
+      'workdir',
+      None,
+      'Directory for checkpoints, metrics and config.json.',
+      flag_values=flag_values,
+  )
+  config_flags.DEFINE_config_file(
+      'config',
+      None,
+      'Task config file, e.g. configs/lm.py:tiny.',
+      flag_values=flag_values,
+      lock_config=True,
+      sys_argv=sys_argv,
+  )
   flags.mark_flags_as_required(['config', 'workdir'], flag_values=flag_values)
 
 
@@ -38,8 +48,7 @@ class BadInput(Exception):
   """A problem with the command's input: one line on stderr, exit status 2 (BAD_INPUT)."""
 
 
-def parse(flag_values: flags.FlagValues, argv: list[str], *,
-          known_only: bool = False) -> list[str]:
+def parse(flag_values: flags.FlagValues, argv: list[str], *, known_only: bool = False) -> list[str]:
   """absl's parsing of `argv` into `flag_values`; every error is one BadInput line.
 
   Without this, ml_collections' errors are tracebacks: an unknown `--config.<field>`
@@ -85,11 +94,13 @@ def _config_file_error(e: OSError) -> str:
   return f'Invalid --config: no config file {path}{there}.'
 
 
-def check(config, workdir: str, *, num_devices: int | None = None,
-          local_paths: bool = True) -> None:
+def check(
+    config, workdir: str, *, num_devices: int | None = None, local_paths: bool = True
+) -> None:
   """`config.validate`, then the pre-flight (`train.preflight.check`, whose arguments these
   are): everything that is bad input, before any data is read; BadInput if not."""
   from lowrank_attn.train import config as config_lib, preflight
+
   try:
     config_lib.validate(config)
   except ValueError as e:
@@ -114,8 +125,10 @@ def parse_flags(argv):
 
 def main(argv):
   if len(argv) > 1:
-    _refuse(f'Unexpected arguments: {argv[1:]} (flags are --config=FILE[:VARIANT], '
-            '--workdir=DIR and --config.<field>=VALUE).')
+    _refuse(
+        f'Unexpected arguments: {argv[1:]} (flags are --config=FILE[:VARIANT], '
+        '--workdir=DIR and --config.<field>=VALUE).'
+    )
   if not FLAGS['verbosity'].present:  # library INFO logs (Orbax, grain) drown the progress
     logging.set_verbosity(logging.WARNING)
   # Imported here so that --help and flag errors do not pay for importing JAX.
@@ -128,6 +141,7 @@ def main(argv):
     _refuse(e)
   logging.info('Config:\n%s', config)
   from lowrank_attn.train import checkpoints
+
   try:
     train.train_and_evaluate(config, FLAGS.workdir)
   except (train.NonFiniteError, checkpoints.CheckpointError) as e:
@@ -140,8 +154,11 @@ def main(argv):
     print(e, flush=True)
     _exit_now(e.exit_status)
   except KeyboardInterrupt:  # Ctrl-C outside the training loop (data preparation, compiling)
-    print('Interrupted (Ctrl-C) before training started or after it ended: no step was lost.',
-          file=sys.stderr, flush=True)
+    print(
+        'Interrupted (Ctrl-C) before training started or after it ended: no step was lost.',
+        file=sys.stderr,
+        flush=True,
+    )
     _exit_now(130)
 
 

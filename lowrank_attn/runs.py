@@ -70,8 +70,9 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     raise
 
 
-def with_overrides(config: 'ml_collections.ConfigDict', overrides: dict[str, Any] | None = None,
-                   /, **more: Any) -> 'ml_collections.ConfigDict':
+def with_overrides(
+    config: 'ml_collections.ConfigDict', overrides: dict[str, Any] | None = None, /, **more: Any
+) -> 'ml_collections.ConfigDict':
   """A validated copy of training config `config` with `{'a.b.c': value}` set, as
   `--config.a.b.c=value` would set it (`config` is not changed).
 
@@ -91,8 +92,9 @@ def with_overrides(config: 'ml_collections.ConfigDict', overrides: dict[str, Any
     for i, part in enumerate(parts):
       if not isinstance(node, ml_collections.ConfigDict) or part not in node:
         fields = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-        raise ValueError(f'config.{path}: {where} has no field {part!r}; its fields are '
-                         f'{fields}.')
+        raise ValueError(
+            f'config.{path}: {where} has no field {part!r}; its fields are ' f'{fields}.'
+        )
       if i < len(parts) - 1:
         node, where = node[part], f'{where}.{part}'
     try:
@@ -106,11 +108,13 @@ def with_overrides(config: 'ml_collections.ConfigDict', overrides: dict[str, Any
 def mean_params(trees: list[Any]) -> Any:
   """The element-wise mean of parameter trees (checkpoint averaging)."""
   import jax
+
   return jax.tree.map(lambda *p: sum(p) / len(p), *trees)
 
 
-def training_overrides(config: 'ml_collections.ConfigDict',
-                       model_cfg: 'models.TransformerConfig') -> dict[str, Any]:
+def training_overrides(
+    config: 'ml_collections.ConfigDict', model_cfg: 'models.TransformerConfig'
+) -> dict[str, Any]:
   """`{'model.<type>_attention.<field>': value}`: what turns training config `config` into one
   whose model config is `model_cfg` (a converted or pruned model's, from the original's config).
 
@@ -129,9 +133,11 @@ def training_overrides(config: 'ml_collections.ConfigDict',
         overrides[f'model.{attention_type}_attention.{field}'] = value
   built = config_lib.model_config(with_overrides(config, overrides), model_cfg.vocab_size)
   if built != model_cfg:
-    raise ValueError(f'config (task {config.task!r}) does not build the model: '
-                     f'{"; ".join(_differences(built, model_cfg))} (config vs model). Pass the '
-                     'training config of the original model.')
+    raise ValueError(
+        f'config (task {config.task!r}) does not build the model: '
+        f'{"; ".join(_differences(built, model_cfg))} (config vs model). Pass the '
+        'training config of the original model.'
+    )
   return overrides
 
 
@@ -170,8 +176,11 @@ class RunDir:
     save has another name)."""
     if not os.path.isdir(self.checkpoint_dir):
       return []
-    return sorted(int(name) for name in os.listdir(self.checkpoint_dir)
-                  if name.isdigit() and os.path.isdir(os.path.join(self.checkpoint_dir, name)))
+    return sorted(
+        int(name)
+        for name in os.listdir(self.checkpoint_dir)
+        if name.isdigit() and os.path.isdir(os.path.join(self.checkpoint_dir, name))
+    )
 
   def latest_step(self) -> int | None:
     steps = self.steps()
@@ -192,14 +201,16 @@ class RunDir:
     if step is None:
       return steps[-1]
     if step not in steps:
-      raise ValueError(f'{self.path} has no checkpoint of step {step}; it has '
-                       f'{", ".join(map(str, steps))}.')
+      raise ValueError(
+          f'{self.path} has no checkpoint of step {step}; it has ' f'{", ".join(map(str, steps))}.'
+      )
     return step
 
   def params(self, step: int | None = None) -> dict:
     """The parameters of checkpoint `step` (default: the latest) as host numpy arrays, in the
     `nnx.to_pure_dict` layout (layer indices as ints)."""
     from lowrank_attn.train import checkpoints
+
     _, state = checkpoints.load_state(self.path, self.check_step(step))
     return state['params']
 
@@ -207,6 +218,7 @@ class RunDir:
     """Only the parameters of checkpoint `step` (no optimizer state is read), laid out as
     `abstract_params`' shardings (e.g. `self.setup().abstract_state['params']`: any mesh)."""
     from lowrank_attn.train import checkpoints
+
     return checkpoints.restore_params(self.path, step, abstract_params)
 
   def averaged_params(self, steps: list[int], abstract_params: Any) -> Any:
@@ -221,6 +233,7 @@ class RunDir:
     """The run's training config: config.json on the current schema (fields added since the
     run was made keep their defaults; see `train.config.from_dict`). A new copy each time."""
     from lowrank_attn.train import config as config_lib
+
     if not self.is_run():
       raise ValueError(f'{self.path} is not a run directory: it has no {CONFIG_FILE}.')
     with open(self.config_path) as f:
@@ -230,22 +243,29 @@ class RunDir:
   def tokenizer(self) -> 'Tokenizer':
     """The vocabulary the run trained (or read); FileNotFoundError naming the file if absent."""
     from lowrank_attn import tasks as tasks_lib
+
     return tasks_lib.load_tokenizer(self.config.data, self.path)
 
-  def model_config(self, config: 'ml_collections.ConfigDict | None' = None
-                   ) -> 'models.TransformerConfig':
+  def model_config(
+      self, config: 'ml_collections.ConfigDict | None' = None
+  ) -> 'models.TransformerConfig':
     """The `TransformerConfig` of the run's config (or of `config`) and vocabulary."""
     from lowrank_attn.train import config as config_lib
-    return config_lib.model_config(self.config if config is None else config,
-                                   self.tokenizer.vocab_size)
+
+    return config_lib.model_config(
+        self.config if config is None else config, self.tokenizer.vocab_size
+    )
 
   def setup(self, config: 'ml_collections.ConfigDict | None' = None) -> 'state_lib.Setup':
     """The sharded set-up (mesh, abstract state, compiled-step options) of the run's config,
     or of `config` (the run's, changed: another mesh, say), with the run's vocabulary."""
     from lowrank_attn.train import state as state_lib
-    return state_lib.setup(self.config if config is None else config,
-                           vocab_size=self.tokenizer.vocab_size,
-                           bos_id=self.tokenizer.bos_id)
+
+    return state_lib.setup(
+        self.config if config is None else config,
+        vocab_size=self.tokenizer.vocab_size,
+        bos_id=self.tokenizer.bos_id,
+    )
 
   def model(self, step: int | None = None) -> 'nnx.Module':
     """The model of checkpoint `step` (default: the latest), built from the run's config and
@@ -259,8 +279,7 @@ class RunDir:
     model_cfg = self.model_config(config)
     bos_id = self.tokenizer.bos_id
     params = self.params(step)
-    abstract = nnx.eval_shape(lambda: task.create_model(config, model_cfg, bos_id,
-                                                        nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: task.create_model(config, model_cfg, bos_id, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
     return nnx.merge(graphdef, state)
@@ -273,21 +292,25 @@ class RunDir:
     if tokenizer_path is None and data.tokenizer != 'wordpiece':
       found = sorted(glob.glob(os.path.join(self.path, TOKENIZER_DIR, '*')))
       if len(found) != 1:
-        raise ValueError(f'{self.path}/{TOKENIZER_DIR} holds {len(found)} files {found}; '
-                         "expected the run's one trained tokenizer.")
+        raise ValueError(
+            f'{self.path}/{TOKENIZER_DIR} holds {len(found)} files {found}; '
+            "expected the run's one trained tokenizer."
+        )
       tokenizer_path = found[0]
-    return {'data.tokenizer_path': tokenizer_path,
-            'data.tfds_data_dir': data.tfds_data_dir or os.path.join(self.path, TFDS_DIR)}
+    return {
+        'data.tokenizer_path': tokenizer_path,
+        'data.tfds_data_dir': data.tfds_data_dir or os.path.join(self.path, TFDS_DIR),
+    }
 
   # ---------------------------------------------------------------------------- writing
 
   def write_config(self, config: 'ml_collections.ConfigDict') -> str:
     """Writes `config` as the run's config.json (primary process only); returns its path."""
     from lowrank_attn.train import checkpoints, config as config_lib
+
     return checkpoints.save_config(self.path, config_lib.to_dict(config))
 
-  def write_model(self, model: 'nnx.Module', config: 'ml_collections.ConfigDict'
-                  ) -> dict[str, Any]:
+  def write_model(self, model: 'nnx.Module', config: 'ml_collections.ConfigDict') -> dict[str, Any]:
     """Writes any model (converted, pruned) as a warm-start run; returns the config overrides
     that build it.
 
@@ -306,8 +329,10 @@ class RunDir:
     checkpointer = checkpoints.Checkpointer(self.path, keep=1, async_save=False)
     try:
       if checkpointer.latest_step() is not None:
-        raise ValueError(f'{self.path} already holds checkpoint step '
-                         f'{checkpointer.latest_step()}; write a model to a new directory.')
+        raise ValueError(
+            f'{self.path} already holds checkpoint step '
+            f'{checkpointer.latest_step()}; write a model to a new directory.'
+        )
       params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
       checkpointer.save(0, {'step': jnp.zeros((), jnp.int32), 'params': params}, {})
     finally:
@@ -322,6 +347,7 @@ class RunDir:
 def _task(name: str):
   """The task record of `config.task`."""
   from lowrank_attn import tasks as tasks_lib
+
   return tasks_lib.get(name)
 
 

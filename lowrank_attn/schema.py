@@ -60,8 +60,9 @@ def fields(cls, exclude: tuple[str, ...] = ()) -> list[Field]:
   return out
 
 
-def config_dict(cls, *, exclude: tuple[str, ...] = (), inherit: bool = False,
-                **values) -> ml_collections.ConfigDict:
+def config_dict(
+    cls, *, exclude: tuple[str, ...] = (), inherit: bool = False, **values
+) -> ml_collections.ConfigDict:
   """A ConfigDict with one entry per field of dataclass `cls`.
 
   Args:
@@ -92,8 +93,11 @@ def values_of(config: Mapping[str, Any] | None) -> dict[str, Any]:
   """The entries of a (Config)Dict as a plain dict; lists become tuples (JSON round trips)."""
   if config is None:
     return {}
-  items = config.items() if not isinstance(config, ml_collections.ConfigDict) else (
-      (k, config[k]) for k in config.keys())
+  items = (
+      config.items()
+      if not isinstance(config, ml_collections.ConfigDict)
+      else ((k, config[k]) for k in config.keys())
+  )
   return {k: tuple(v) if isinstance(v, list) else v for k, v in items}
 
 

@@ -56,12 +56,14 @@ def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, .
     if num_devices % known:
       raise ValueError(
           f'config.mesh={dict(zip(MESH_AXES, sizes))}: the fixed axes ({known} devices) do not '
-          f'divide the {num_devices} available devices.')
+          f'divide the {num_devices} available devices.'
+      )
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
     raise ValueError(
         f'config.mesh={dict(zip(MESH_AXES, sizes))} uses {math.prod(sizes)} devices but '
-        f'{num_devices} are available; set one axis to -1 to use "the rest".')
+        f'{num_devices} are available; set one axis to -1 to use "the rest".'
+    )
   return tuple(sizes)
 
 
@@ -70,8 +72,8 @@ def make_mesh(mesh_config: Mapping[str, int], devices: Sequence[Any] | None = No
   devices = jax.devices() if devices is None else list(devices)
   shape = mesh_shape(mesh_config, len(devices))
   return jax.make_mesh(
-      shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
-      devices=devices)
+      shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES), devices=devices
+  )
 
 
 def validate_rules(rules: Sequence[Sequence[Any]]) -> Rules:
@@ -81,7 +83,8 @@ def validate_rules(rules: Sequence[Sequence[Any]]) -> Rules:
   for i, rule in enumerate(rules):
     if len(rule) != 2 or not isinstance(rule[0], str):
       raise ValueError(
-          f'config.logical_axis_rules[{i}]={rule!r} must be a pair (logical_name, mesh_axes).')
+          f'config.logical_axis_rules[{i}]={rule!r} must be a pair (logical_name, mesh_axes).'
+      )
     name, target = rule
     if name in seen:
       raise ValueError(f'config.logical_axis_rules names {name!r} twice.')
@@ -91,7 +94,8 @@ def validate_rules(rules: Sequence[Sequence[Any]]) -> Rules:
       if axis not in MESH_AXES:
         raise ValueError(
             f'config.logical_axis_rules[{i}]: {name!r} -> {target!r} names {axis!r}, which is '
-            f'not a mesh axis; valid: {MESH_AXES} or None.')
+            f'not a mesh axis; valid: {MESH_AXES} or None.'
+        )
     out.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
   return tuple(out)
 
@@ -122,8 +126,14 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, spec)
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, shape=None, mesh=None,
-                    what: str = 'array', quiet: bool = False) -> P:
+def logical_to_spec(
+    logical_axes: Sequence[str | None],
+    rules: Rules,
+    shape=None,
+    mesh=None,
+    what: str = 'array',
+    quiet: bool = False,
+) -> P:
   """PartitionSpec for an array whose dimensions carry `logical_axes`.
 
   With `shape` and `mesh`, a dimension that the mesh axes do not divide evenly is replicated
@@ -145,7 +155,8 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, shape=None
     if name not in table:
       raise ValueError(
           f'{what}: logical axis {name!r} has no rule in config.logical_axis_rules '
-          f'(rules cover {sorted(table)}); add ({name!r}, None) to replicate it.')
+          f'(rules cover {sorted(table)}); add ({name!r}, None) to replicate it.'
+      )
     target = table[name]
     axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
     axes = tuple(a for a in axes if a not in used)  # a mesh axis may shard one dim only
@@ -154,8 +165,15 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, shape=None
       if shape[dim] % size and quiet:
         axes = ()
       elif shape[dim] % size:
-        logging.info('%s: dim %d (%s, size %d) is not divisible by mesh axes %s (%d); '
-                     'replicating it.', what, dim, name, shape[dim], axes, size)
+        logging.info(
+            '%s: dim %d (%s, size %d) is not divisible by mesh axes %s (%d); ' 'replicating it.',
+            what,
+            dim,
+            name,
+            shape[dim],
+            axes,
+            size,
+        )
         axes = ()
     used.update(axes)
     spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
@@ -171,6 +189,7 @@ def state_shardings(state: Any, mesh, rules: Rules) -> Any:
 
   A Variable's logical axes are its `out_sharding` metadata; leaves without it are replicated.
   """
+
   def one(path, variable):
     value = variable.get_value() if isinstance(variable, nnx.Variable) else variable
     axes = _variable_axes(variable) if isinstance(variable, nnx.Variable) else None
@@ -184,8 +203,7 @@ def state_shardings(state: Any, mesh, rules: Rules) -> Any:
     sharding = NamedSharding(mesh, spec)
     return variable.replace(sharding) if isinstance(variable, nnx.Variable) else sharding
 
-  return jax.tree_util.tree_map_with_path(
-      one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def create_sharded(init_fn: Callable[[], Any], shardings: Any) -> Any:
@@ -205,8 +223,11 @@ def batch_shardings(batch_shapes: Mapping[str, tuple[int, ...]], mesh, rules: Ru
   return {k: NamedSharding(mesh, batch_spec(rules, len(s))) for k, s in batch_shapes.items()}
 
 
-def global_batch(local_batch: Mapping[str, np.ndarray], shardings: Mapping[str, NamedSharding],
-                 process_count: int) -> dict[str, jax.Array]:
+def global_batch(
+    local_batch: Mapping[str, np.ndarray],
+    shardings: Mapping[str, NamedSharding],
+    process_count: int,
+) -> dict[str, jax.Array]:
   """Assembles each process's rows into global arrays (multi-host safe).
 
   Every process passes only its own rows; `make_array_from_process_local_data` places them on
@@ -228,10 +249,15 @@ def describe(state, shardings) -> str:
   leaves = jax.tree.leaves(state)
   specs = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding))
   total = sum(int(np.prod(x.shape)) for x in leaves)
+
   def ways(s):
-    axes = [a for entry in s.spec if entry is not None
-            for a in ((entry,) if isinstance(entry, str) else entry)]
+    axes = [
+        a
+        for entry in s.spec
+        if entry is not None
+        for a in ((entry,) if isinstance(entry, str) else entry)
+    ]
     return math.prod(s.mesh.shape[a] for a in axes)
+
   sharded = sum(int(np.prod(x.shape)) for x, s in zip(leaves, specs) if ways(s) > 1)
   return f'{total:,} parameters, {sharded:,} of them sharded'
-

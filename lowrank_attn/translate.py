@@ -66,13 +66,17 @@ def check_run(workdir: str, step: int | None) -> int:
     raise UsageError(f'--workdir={workdir} is not a training run: it has no {runs.CONFIG_FILE}.')
   steps = run.steps()
   if not steps:
-    raise UsageError(f'--workdir={workdir} has no checkpoint in {run.checkpoint_dir} (a run '
-                     'saves one every checkpoint_every_steps and at its end).')
+    raise UsageError(
+        f'--workdir={workdir} has no checkpoint in {run.checkpoint_dir} (a run '
+        'saves one every checkpoint_every_steps and at its end).'
+    )
   if step is None:
     return steps[-1]
   if step not in steps:
-    raise UsageError(f'--step={step}: {workdir} has no checkpoint of that step; it has '
-                     f'{", ".join(map(str, steps))}.')
+    raise UsageError(
+        f'--step={step}: {workdir} has no checkpoint of that step; it has '
+        f'{", ".join(map(str, steps))}.'
+    )
   return step
 
 
@@ -126,8 +130,10 @@ def run_config(workdir: str):
   except ValueError as e:
     raise UsageError(f'{workdir}/{runs.CONFIG_FILE}: {e}') from None
   if not decodes:
-    raise UsageError(f'--workdir={workdir} is a {config.task!r} run; translate needs a run of a '
-                     'task that decodes (nmt).')
+    raise UsageError(
+        f'--workdir={workdir} is a {config.task!r} run; translate needs a run of a '
+        'task that decodes (nmt).'
+    )
   return config
 
 
@@ -145,21 +151,30 @@ class TranslationRun:
     """Shapes and shardings of the parameters: what `run.restore_params` lays out as."""
     return self.setup.abstract_state['params']
 
-  def translator(self, params, *, beam_size: int | None = None,
-                 length_penalty: float | None = None, max_length: int | None = None,
-                 batch_size: int | None = None):
+  def translator(
+      self,
+      params,
+      *,
+      beam_size: int | None = None,
+      length_penalty: float | None = None,
+      max_length: int | None = None,
+      batch_size: int | None = None,
+  ):
     """A `decode.Translator` of `params`; settings default to the run's `decode` ones, the
     batch size to the one the end of training evaluates with."""
     from lowrank_attn.train import decode
 
     config = self.config
     return decode.Translator(
-        self.setup, params, self.tokenizer, beam_size=beam_size or config.decode.beam_size,
-        length_penalty=(config.decode.length_penalty if length_penalty is None
-                        else length_penalty),
+        self.setup,
+        params,
+        self.tokenizer,
+        beam_size=beam_size or config.decode.beam_size,
+        length_penalty=(config.decode.length_penalty if length_penalty is None else length_penalty),
         max_length=max_length or config.decode.max_length,
         batch_size=batch_size or decode.default_batch_size(config),
-        source_max_length=config.data.max_length)
+        source_max_length=config.data.max_length,
+    )
 
 
 def open_run(workdir: str, config=None) -> TranslationRun:
@@ -181,8 +196,10 @@ def open_run(workdir: str, config=None) -> TranslationRun:
   try:
     sharding.mesh_shape(config.mesh.to_dict(), jax.device_count())
   except ValueError as e:  # the run's mesh does not fit these devices: all data-parallel
-    say(f'translate: the run\'s mesh does not fit here ({e}); using the '
-        f'{jax.device_count()} devices data-parallel.')
+    say(
+        f"translate: the run's mesh does not fit here ({e}); using the "
+        f'{jax.device_count()} devices data-parallel.'
+    )
     config.mesh.update({'data': -1, 'fsdp': 1, 'tensor': 1})
   return TranslationRun(run, config, tokenizer, run.setup(config))
 
@@ -216,12 +233,20 @@ def say(line: str) -> None:
   sys.stderr.flush()
 
 
-def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-',
-                   beam_size: int | None = None, batch_size: int | None = None,
-                   step: int | None = None, max_length: int | None = None,
-                   reference: str | None = None, average_last: int = 1,
-                   length_penalty: float | None = None,
-                   compilation_cache: str | None = None) -> dict:
+def translate_file(
+    workdir: str,
+    *,
+    input_path: str = '-',
+    output_path: str = '-',
+    beam_size: int | None = None,
+    batch_size: int | None = None,
+    step: int | None = None,
+    max_length: int | None = None,
+    reference: str | None = None,
+    average_last: int = 1,
+    length_penalty: float | None = None,
+    compilation_cache: str | None = None,
+) -> dict:
   """What the command does; returns {'step', 'sentences', 'timing', 'bleu', 'chrf', ...}.
 
   Raises UsageError for what the command reports in one line (exit status 2).
@@ -232,10 +257,16 @@ def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-
   sources = read_lines(input_path, '--input')
   references = read_lines(reference, '--reference') if reference is not None else None
   if references is not None and len(references) != len(sources):
-    raise UsageError(f'--reference={reference} has {len(references)} lines but --input has '
-                     f'{len(sources)}; line i of one must translate line i of the other.')
-  for name, value in (('beam_size', beam_size), ('batch_size', batch_size),
-                      ('max_length', max_length), ('average_last', average_last)):
+    raise UsageError(
+        f'--reference={reference} has {len(references)} lines but --input has '
+        f'{len(sources)}; line i of one must translate line i of the other.'
+    )
+  for name, value in (
+      ('beam_size', beam_size),
+      ('batch_size', batch_size),
+      ('max_length', max_length),
+      ('average_last', average_last),
+  ):
     if value is not None and value < 1:
       raise UsageError(f'--{name}={value} must be >= 1.')
   if output_path != '-':
@@ -243,6 +274,7 @@ def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-
     output_path = os.path.abspath(os.path.expanduser(output_path))
 
   import jax
+
   if compilation_cache:
     jax.config.update('jax_compilation_cache_dir', os.path.expanduser(compilation_cache))
   from lowrank_attn.train import decode
@@ -252,29 +284,42 @@ def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-
   max_length = max_length or config.decode.max_length
   model_max = config.model.max_length
   if config.model.positions == 'learned' and max_length > model_max:
-    raise UsageError(f'--max_length={max_length}: the model has learned positions up to '
-                     f'model.max_length={model_max}.')
+    raise UsageError(
+        f'--max_length={max_length}: the model has learned positions up to '
+        f'model.max_length={model_max}.'
+    )
   opened = open_run(workdir, config)
   steps = opened.run.last_steps(average_last, up_to=step)
   if len(steps) < average_last:
-    raise UsageError(f'--average_last={average_last}: {workdir} holds only {len(steps)} '
-                     f'checkpoints up to step {step} ({steps}).')
+    raise UsageError(
+        f'--average_last={average_last}: {workdir} holds only {len(steps)} '
+        f'checkpoints up to step {step} ({steps}).'
+    )
   params = opened.run.averaged_params(steps, opened.abstract_params)  # checkpoint averaging
-  translator = opened.translator(params, beam_size=beam_size, length_penalty=length_penalty,
-                                 max_length=max_length, batch_size=batch_size)
+  translator = opened.translator(
+      params,
+      beam_size=beam_size,
+      length_penalty=length_penalty,
+      max_length=max_length,
+      batch_size=batch_size,
+  )
   averaged = f' (mean of steps {steps})' if len(steps) > 1 else ''
   mesh = dict(opened.setup.mesh.shape)
-  say(f'translate: {workdir} step {step}{averaged}, {len(sources)} sentences, beam {beam_size}, '
+  say(
+      f'translate: {workdir} step {step}{averaged}, {len(sources)} sentences, beam {beam_size}, '
       f'batch {translator.batch_size}, mesh {mesh} on {jax.device_count()} '
-      f'{jax.devices()[0].platform} device(s); ready after {time.perf_counter() - started:.1f} s')
+      f'{jax.devices()[0].platform} device(s); ready after {time.perf_counter() - started:.1f} s'
+  )
 
   result = translator.translate(sources, progress=ProgressBar(len(sources)))
   for n, i in enumerate(result.truncated):
     if n == MAX_NAMED_LINES:
       say(f'translate: warning: and {len(result.truncated) - n} more over-long lines.')
       break
-    say(f'translate: warning: line {i + 1} is longer than the {config.data.max_length} tokens '
-        f'(with EOS) the model takes; translated its first {config.data.max_length - 1} tokens.')
+    say(
+        f'translate: warning: line {i + 1} is longer than the {config.data.max_length} tokens '
+        f'(with EOS) the model takes; translated its first {config.data.max_length - 1} tokens.'
+    )
   text = ''.join(t + '\n' for t in result.texts)
   if output_path == '-':
     sys.stdout.write(text)
@@ -287,11 +332,17 @@ def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-
       raise UsageError(f'--output={output_path}: {e}') from None
   timing = translator.timing
   say(f'translate: {timing.describe()}')
-  out = {'step': step, 'sentences': len(sources), 'beam_size': beam_size,
-         'batch_size': translator.batch_size, 'truncated': result.truncated,
-         'translations': result.texts, 'timing': timing,
-         'sentences_per_sec': len(sources) / timing.total_secs if timing.total_secs else 0.0,
-         'outside_search_share': timing.outside_share}
+  out = {
+      'step': step,
+      'sentences': len(sources),
+      'beam_size': beam_size,
+      'batch_size': translator.batch_size,
+      'truncated': result.truncated,
+      'translations': result.texts,
+      'timing': timing,
+      'sentences_per_sec': len(sources) / timing.total_secs if timing.total_secs else 0.0,
+      'outside_search_share': timing.outside_share,
+  }
   if references is not None:
     scores = decode.score(result.texts, references)
     say(f'BLEU {scores["bleu"]:.6f}  {scores["bleu_signature"]}\n  {scores["bleu_summary"]}')
@@ -305,27 +356,51 @@ def translate_file(workdir: str, *, input_path: str = '-', output_path: str = '-
 
 def define_flags() -> None:
   """The command's flags (defined when run as a program only: importing defines none)."""
-  flags.DEFINE_string('workdir', None, 'The training run: its directory (config.json, '
-                      'checkpoints/, tokenizers/).')
-  flags.DEFINE_string('input', '-', 'Source sentences, one per line (.gz read as gzip); '
-                      '- = stdin.')
+  flags.DEFINE_string(
+      'workdir',
+      None,
+      'The training run: its directory (config.json, ' 'checkpoints/, tokenizers/).',
+  )
+  flags.DEFINE_string(
+      'input', '-', 'Source sentences, one per line (.gz read as gzip); ' '- = stdin.'
+  )
   flags.DEFINE_string('output', '-', 'Where the translations go, one per line; - = stdout.')
-  flags.DEFINE_integer('beam_size', None, 'Beam size (1 = greedy); default: the run\'s '
-                       'decode.beam_size.')
-  flags.DEFINE_integer('batch_size', None, 'Sentences per search call (rounded up to fill '
-                       'every device); default: the run\'s per_device_batch_size x devices, as '
-                       'the end of training evaluates.')
+  flags.DEFINE_integer(
+      'beam_size', None, "Beam size (1 = greedy); default: the run's " 'decode.beam_size.'
+  )
+  flags.DEFINE_integer(
+      'batch_size',
+      None,
+      'Sentences per search call (rounded up to fill '
+      "every device); default: the run's per_device_batch_size x devices, as "
+      'the end of training evaluates.',
+  )
   flags.DEFINE_integer('step', None, 'Checkpoint step; default: the latest.')
-  flags.DEFINE_integer('average_last', 1, 'Translate with the mean parameters of the last N '
-                       'checkpoints up to --step (checkpoint averaging); 1: that one only.')
-  flags.DEFINE_float('length_penalty', None, 'alpha of the beam score log p / ((5 + len) / '
-                     '6)^alpha; default: the run\'s decode.length_penalty.')
-  flags.DEFINE_integer('max_length', None, 'Longest translation, in tokens; default: the '
-                       'run\'s decode.max_length.')
-  flags.DEFINE_string('reference', None, 'Reference translations, one per line (.gz allowed): '
-                      'print BLEU and chrF.')
-  flags.DEFINE_string('compilation_cache', os.path.join('~', '.cache', 'lowrank_attn', 'jax'),
-                      'JAX persistent compilation cache directory; empty: none.')
+  flags.DEFINE_integer(
+      'average_last',
+      1,
+      'Translate with the mean parameters of the last N '
+      'checkpoints up to --step (checkpoint averaging); 1: that one only.',
+  )
+  flags.DEFINE_float(
+      'length_penalty',
+      None,
+      'alpha of the beam score log p / ((5 + len) / '
+      "6)^alpha; default: the run's decode.length_penalty.",
+  )
+  flags.DEFINE_integer(
+      'max_length', None, 'Longest translation, in tokens; default: the ' "run's decode.max_length."
+  )
+  flags.DEFINE_string(
+      'reference',
+      None,
+      'Reference translations, one per line (.gz allowed): ' 'print BLEU and chrF.',
+  )
+  flags.DEFINE_string(
+      'compilation_cache',
+      os.path.join('~', '.cache', 'lowrank_attn', 'jax'),
+      'JAX persistent compilation cache directory; empty: none.',
+  )
   flags.mark_flag_as_required('workdir')
 
 
@@ -336,11 +411,19 @@ def main(argv):
   if not FLAGS['verbosity'].present:  # library INFO logs (Orbax) would drown the progress
     logging.set_verbosity(logging.WARNING)
   try:
-    translate_file(FLAGS.workdir, input_path=FLAGS.input, output_path=FLAGS.output,
-                   beam_size=FLAGS.beam_size, batch_size=FLAGS.batch_size, step=FLAGS.step,
-                   max_length=FLAGS.max_length, reference=FLAGS.reference,
-                   average_last=FLAGS.average_last, length_penalty=FLAGS.length_penalty,
-                   compilation_cache=FLAGS.compilation_cache)
+    translate_file(
+        FLAGS.workdir,
+        input_path=FLAGS.input,
+        output_path=FLAGS.output,
+        beam_size=FLAGS.beam_size,
+        batch_size=FLAGS.batch_size,
+        step=FLAGS.step,
+        max_length=FLAGS.max_length,
+        reference=FLAGS.reference,
+        average_last=FLAGS.average_last,
+        length_penalty=FLAGS.length_penalty,
+        compilation_cache=FLAGS.compilation_cache,
+    )
   except UsageError as e:
     fail(str(e))
 

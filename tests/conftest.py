@@ -50,11 +50,14 @@ def missing_setup() -> list[str]:
     problems.append(
         f'$LOWRANK_ATTN_DATA={str(data_dir)!r} does not hold {", ".join(f"{n}/" for n in absent)} '
         '(the shared data sets, see README "Data"). Point LOWRANK_ATTN_DATA at that '
-        'directory, or leave it unset to use ../shared/data next to the repository.')
+        'directory, or leave it unset to use ../shared/data next to the repository.'
+    )
   for module, command in TEST_DEPENDENCIES.items():
     if importlib.util.find_spec(module) is None:
-      problems.append(f'the tests import {module!r}, which is not installed: run '
-                      f'`{command}` (or `make venv`).')
+      problems.append(
+          f'the tests import {module!r}, which is not installed: run '
+          f'`{command}` (or `make venv`).'
+      )
   return problems
 
 
@@ -79,24 +82,33 @@ NOT_UNIT = ('slow', 'gpu', 'integration', 'heavy')
 
 
 def pytest_addoption(parser):
-  parser.addoption('--unit', action='store_true',
-                   help='the fast tier: no tests marked slow, gpu, integration or heavy, and '
-                   'an unmarked test that trains end to end or starts Python fails.')
+  parser.addoption(
+      '--unit',
+      action='store_true',
+      help='the fast tier: no tests marked slow, gpu, integration or heavy, and '
+      'an unmarked test that trains end to end or starts Python fails.',
+  )
 
 
 def pytest_configure(config):
   config.addinivalue_line(
-      'markers', 'integration: starts the command line or a worker process, or trains end to '
-      'end (INTEGRATION in tests/conftest.py); left out of `make test-unit`')
+      'markers',
+      'integration: starts the command line or a worker process, or trains end to '
+      'end (INTEGRATION in tests/conftest.py); left out of `make test-unit`',
+  )
   config.addinivalue_line(
-      'markers', 'heavy: in-process, but over the fast tier\'s time budget '
-      '(tests/heavy_tests.txt); left out of `make test-unit`')
+      'markers',
+      "heavy: in-process, but over the fast tier's time budget "
+      '(tests/heavy_tests.txt); left out of `make test-unit`',
+  )
   if config.option.markexpr == 'gpu':  # `make test-gpu`: attention kernels alone, no data
     return
   problems = missing_setup()
   if problems:
-    pytest.exit('cannot run the test suite:\n  ' + '\n  '.join(problems),
-                returncode=pytest.ExitCode.USAGE_ERROR)
+    pytest.exit(
+        'cannot run the test suite:\n  ' + '\n  '.join(problems),
+        returncode=pytest.ExitCode.USAGE_ERROR,
+    )
 
 
 def _test_id(item) -> str | None:
@@ -127,8 +139,11 @@ def _mark_listed(items, entries, marker, source: str) -> None:
 
 def pytest_collection_modifyitems(config, items):
   _mark_listed(items, set(INTEGRATION), pytest.mark.integration, 'INTEGRATION')
-  heavy = {line.strip() for line in HEAVY_FILE.read_text().splitlines()
-           if line.strip() and not line.startswith('#')}
+  heavy = {
+      line.strip()
+      for line in HEAVY_FILE.read_text().splitlines()
+      if line.strip() and not line.startswith('#')
+  }
   _mark_listed(items, heavy, pytest.mark.heavy, HEAVY_FILE.name)
   if config.getoption('unit'):
     kept = [i for i in items if not any(i.get_closest_marker(m) for m in NOT_UNIT)]
@@ -148,10 +163,13 @@ def pytest_runtest_logreport(report):  # (under xdist, the controller gets the w
 def pytest_terminal_summary(terminalreporter, config):
   if not config.getoption('unit'):
     return
-  over = sorted((t for t, secs in _unit_secs.items() if secs > UNIT_BUDGET_SECS),
-                key=_unit_secs.get, reverse=True)
+  over = sorted(
+      (t for t, secs in _unit_secs.items() if secs > UNIT_BUDGET_SECS),
+      key=_unit_secs.get,
+      reverse=True,
+  )
   if over:
-    terminalreporter.write_sep('=', f'over the fast tier\'s {UNIT_BUDGET_SECS:g} s budget')
+    terminalreporter.write_sep('=', f"over the fast tier's {UNIT_BUDGET_SECS:g} s budget")
     terminalreporter.write_line(f'(add them to tests/{HEAVY_FILE.name} if they stay there)')
     for t in over:
       terminalreporter.write_line(f'{_unit_secs[t]:6.1f} s  {t}')
@@ -177,14 +195,16 @@ def _refuse(what: str) -> None:
     pytest.fail(
         f'{_running_unit_test.nodeid} {what}: not a unit test. List it in INTEGRATION in '
         'tests/conftest.py or mark it @pytest.mark.integration (it still runs in `make test`).',
-        pytrace=False)
+        pytrace=False,
+    )
 
 
 def _is_python(args, executable) -> bool:
   program = executable or (args.split()[0] if isinstance(args, str) else args[0])
   program = os.fsdecode(program)
-  return (re.fullmatch(r'python[\d.]*', os.path.basename(program)) is not None
-          or os.path.realpath(program) == os.path.realpath(sys.executable))
+  return re.fullmatch(r'python[\d.]*', os.path.basename(program)) is not None or os.path.realpath(
+      program
+  ) == os.path.realpath(sys.executable)
 
 
 @functools.cache  # once per process
@@ -200,6 +220,7 @@ def _guard_unit_tier() -> None:
   subprocess.Popen._execute_child = guarded_execute_child  # under Popen() and run()
 
   from lowrank_attn.train import train as train_module  # pylint: disable=import-outside-toplevel
+
   train_and_evaluate = train_module.train_and_evaluate
 
   @functools.wraps(train_and_evaluate)

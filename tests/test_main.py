@@ -40,15 +40,16 @@ def bad_input(*args) -> str:
 
 
 def test_a_good_command_line_parses():
-  config, workdir = parsed('--config=configs/lm.py:tiny', '--workdir=/tmp/x',
-                           '--config.seed=3')
+  config, workdir = parsed('--config=configs/lm.py:tiny', '--workdir=/tmp/x', '--config.seed=3')
   assert config.seed == 3 and config.task == 'lm' and workdir == '/tmp/x'
 
 
 def test_a_missing_config_file_lists_the_configs_there():
   message = bad_input('--config=configs/lmm.py:tiny', '--workdir=/tmp/x')
-  assert message == ('Invalid --config: no config file configs/lmm.py (configs/ holds glue.py, '
-                     'lm.py, mlm.py, nmt.py).')
+  assert message == (
+      'Invalid --config: no config file configs/lmm.py (configs/ holds glue.py, '
+      'lm.py, mlm.py, nmt.py).'
+  )
   # An override touches the config that failed to load: the same line.
   assert bad_input('--config=configs/lmm.py', '--workdir=/tmp/x', '--config.seed=1') == message
 
@@ -62,12 +63,14 @@ def test_a_config_that_is_a_directory():
 def test_an_unknown_variant_lists_the_valid_ones():
   assert bad_input('--config=configs/lm.py:huge', '--workdir=/tmp/x') == (
       "Invalid --config=configs/lm.py:huge: configs/lm.py: unknown variant 'huge'; valid: base, "
-      'tiny, bottleneck.')
+      'tiny, bottleneck.'
+  )
 
 
 def test_an_unknown_override_and_a_missing_flag():
   assert 'unknown field sede Did you mean "seed"' in bad_input(
-      '--config=configs/lm.py:tiny', '--workdir=/tmp/x', '--config.sede=1')
+      '--config=configs/lm.py:tiny', '--workdir=/tmp/x', '--config.sede=1'
+  )
   assert '--workdir must have a value' in bad_input('--config=configs/lm.py:tiny')
 
 
@@ -87,14 +90,21 @@ def test_the_command_line_exits_2_with_one_line_before_reading_data(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='')  # one device
   cases = {
       'config file': (['--config=configs/nosuch.py'], 'no config file configs/nosuch.py'),
-      'mesh': (['--config=configs/lm.py:tiny', '--config.mesh.tensor=3'],
-               'do not divide the 1 available devices'),
+      'mesh': (
+          ['--config=configs/lm.py:tiny', '--config.mesh.tensor=3'],
+          'do not divide the 1 available devices',
+      ),
   }
   for name, (args, says) in cases.items():
     workdir = tmp_path / name
-    done = subprocess.run([sys.executable, '-m', 'lowrank_attn.main', f'--workdir={workdir}',
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, '-m', 'lowrank_attn.main', f'--workdir={workdir}', *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == main.BAD_INPUT == 2, (name, done.stderr)
     assert done.stderr.count('\n') == 1 and says in done.stderr, (name, done.stderr)
     assert not workdir.exists(), name  # nothing prepared

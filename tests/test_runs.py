@@ -25,9 +25,16 @@ def config(tmp_path):
   """configs/lm.py:tiny, smaller still, reading a character vocabulary written here."""
   tokenizer = tmp_path / 'chars.vocab'
   tokenizer.write_bytes(CharTokenizer.train(['the quick brown fox jumps']).to_bytes())
-  return with_overrides(config_lib.load(f'{ROOT}/configs/lm.py:tiny'), {
-      'model.emb_dim': 16, 'model.mlp_dim': 32, 'model.attention.num_heads': 2,
-      'model.num_decoder_layers': 2, 'data.tokenizer_path': str(tokenizer)})
+  return with_overrides(
+      config_lib.load(f'{ROOT}/configs/lm.py:tiny'),
+      {
+          'model.emb_dim': 16,
+          'model.mlp_dim': 32,
+          'model.attention.num_heads': 2,
+          'model.num_decoder_layers': 2,
+          'data.tokenizer_path': str(tokenizer),
+      },
+  )
 
 
 def random_params(config, vocab_size: int, seed: int):
@@ -36,8 +43,9 @@ def random_params(config, vocab_size: int, seed: int):
   model = tasks.get(config.task).create_model(config, model_cfg, 1, nnx.Rngs(seed))
   rng = np.random.default_rng(seed)
   state = nnx.state(model, nnx.Param)
-  params = jax.tree.map(lambda x: np.asarray(x) + rng.standard_normal(x.shape, np.float32),
-                        nnx.to_pure_dict(state))
+  params = jax.tree.map(
+      lambda x: np.asarray(x) + rng.standard_normal(x.shape, np.float32), nnx.to_pure_dict(state)
+  )
   nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
   nnx.update(model, state)
   return model, params
@@ -76,8 +84,10 @@ def test_averaged_parameters_are_the_mean_of_the_checkpoints(config, tmp_path):
   os.makedirs(run.path)
   run.write_config(config)
   # Two checkpoints written by hand (steps 3 and 7), and a half-written save, not a step.
-  by_step = {3: random_params(config, vocab_size, seed=3)[1],
-             7: random_params(config, vocab_size, seed=7)[1]}
+  by_step = {
+      3: random_params(config, vocab_size, seed=3)[1],
+      7: random_params(config, vocab_size, seed=7)[1],
+  }
   checkpointer = checkpoints.Checkpointer(run.path, keep=3, async_save=False)
   for step, params in by_step.items():
     checkpointer.save(step, {'step': jnp.asarray(step, jnp.int32), 'params': params}, {})
@@ -92,8 +102,7 @@ def test_averaged_parameters_are_the_mean_of_the_checkpoints(config, tmp_path):
   assert averaged.keys() == first.keys()
   for name, value in averaged.items():
     assert value.dtype == np.float32
-    np.testing.assert_array_equal(value, np.mean([first[name], second[name]], axis=0),
-                                  err_msg=name)
+    np.testing.assert_array_equal(value, np.mean([first[name], second[name]], axis=0), err_msg=name)
   only = leaves(run.averaged_params([7], abstract))  # one checkpoint: itself
   for name, value in only.items():
     np.testing.assert_array_equal(value, second[name], err_msg=name)
@@ -116,8 +125,9 @@ def test_with_overrides_copies_sets_and_validates(config):
   changed = with_overrides(config, {'model.mlp_dim': 48}, seed=5)
   assert (changed.model.mlp_dim, changed.seed) == (48, 5)
   assert (config.model.mlp_dim, config.seed) != (48, 5)  # a copy: the original is unchanged
-  with pytest.raises(ValueError, match=r"config\.model\.no_such: config\.model has no field "
-                                       r"'no_such'"):
+  with pytest.raises(
+      ValueError, match=r'config\.model\.no_such: config\.model has no field ' r"'no_such'"
+  ):
     with_overrides(config, {'model.no_such': 1})
   with pytest.raises(ValueError, match=r"config\.nowhere\.x: config has no field 'nowhere'"):
     with_overrides(config, {'nowhere.x': 1})
@@ -131,8 +141,10 @@ def test_data_overrides_point_at_the_run_vocabulary_and_data(config, tmp_path):
   run = RunDir(tmp_path / 'run')
   os.makedirs(run.path)
   run.write_config(config)
-  assert run.data_overrides() == {'data.tokenizer_path': config.data.tokenizer_path,
-                                  'data.tfds_data_dir': os.path.join(run.path, 'tfds')}
+  assert run.data_overrides() == {
+      'data.tokenizer_path': config.data.tokenizer_path,
+      'data.tfds_data_dir': os.path.join(run.path, 'tfds'),
+  }
 
 
 def test_write_atomic_replaces_a_file_whole(tmp_path):
@@ -152,17 +164,27 @@ def test_write_atomic_replaces_a_file_whole(tmp_path):
 
 
 def test_translate_average_last_translates_with_the_mean_of_the_last_checkpoints(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
   """`translate --average_last=N [--step=S]`: the parameters handed to the translator are the
   element-wise mean of the last N checkpoints up to S (the translator itself is stubbed)."""
   from lowrank_attn import translate
   from lowrank_attn.train import decode
+
   vocabulary = tmp_path / 'chars.vocab'
   vocabulary.write_bytes(CharTokenizer.train(['ein hund a dog']).to_bytes())
-  config = with_overrides(config_lib.load(f'{ROOT}/configs/nmt.py:tiny'), {
-      'model.emb_dim': 16, 'model.mlp_dim': 16, 'model.attention.num_heads': 2,
-      'model.num_encoder_layers': 1, 'model.num_decoder_layers': 1, 'data.tokenizer': 'char',
-      'data.tokenizer_path': str(vocabulary)})
+  config = with_overrides(
+      config_lib.load(f'{ROOT}/configs/nmt.py:tiny'),
+      {
+          'model.emb_dim': 16,
+          'model.mlp_dim': 16,
+          'model.attention.num_heads': 2,
+          'model.num_encoder_layers': 1,
+          'model.num_decoder_layers': 1,
+          'data.tokenizer': 'char',
+          'data.tokenizer_path': str(vocabulary),
+      },
+  )
   vocab_size = CharTokenizer.train(['ein hund a dog']).vocab_size
   run = RunDir(tmp_path / 'run')
   os.makedirs(run.path)
@@ -189,14 +211,17 @@ def test_translate_average_last_translates_with_the_mean_of_the_last_checkpoints
     return Stub()
 
   monkeypatch.setattr(translate.TranslationRun, 'translator', translator)
-  for kwargs, steps in (({'average_last': 2}, (5, 7)), ({'average_last': 2, 'step': 5}, (3, 5)),
-                        ({}, (7,))):
-    translate.translate_file(run.path, input_path=str(source),
-                             output_path=str(tmp_path / 'out.txt'), **kwargs)
+  for kwargs, steps in (
+      ({'average_last': 2}, (5, 7)),
+      ({'average_last': 2, 'step': 5}, (3, 5)),
+      ({}, (7,)),
+  ):
+    translate.translate_file(
+        run.path, input_path=str(source), output_path=str(tmp_path / 'out.txt'), **kwargs
+    )
     got = seen.pop()
     assert got.keys() == by_step[7].keys()
     for name, value in got.items():
       # The mean of 2 float32 numbers: within 2 ulp of the float64 mean.
       want = np.mean([by_step[s][name].astype(np.float64) for s in steps], axis=0)
-      np.testing.assert_allclose(value, want, rtol=2.5e-7, atol=1e-7,
-                                 err_msg=f'{kwargs}: {name}')
+      np.testing.assert_allclose(value, want, rtol=2.5e-7, atol=1e-7, err_msg=f'{kwargs}: {name}')

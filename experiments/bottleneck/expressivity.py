@@ -70,9 +70,18 @@ def sharp_targets(rng, n: int, count: int):
 
 def train_source(runs_dir: pathlib.Path) -> pathlib.Path:
   """The source model's run under runs_dir, trained unless it is finished there."""
-  run = runner.train_run(SOURCE_RUN, sweep.CONFIG, seed=0, overrides={
-      sweep.NUM_HEADS: SOURCE_HEADS, 'num_train_steps': SOURCE_STEPS, 'num_eval_steps': 8,
-      'data.tfds_data_dir': str(runs_dir / 'tfds')}, collect=sweep.collect)
+  run = runner.train_run(
+      SOURCE_RUN,
+      sweep.CONFIG,
+      seed=0,
+      overrides={
+          sweep.NUM_HEADS: SOURCE_HEADS,
+          'num_train_steps': SOURCE_STEPS,
+          'num_eval_steps': 8,
+          'data.tfds_data_dir': str(runs_dir / 'tfds'),
+      },
+      collect=sweep.collect,
+  )
   runner.run_grid([run], runs_dir, runs_dir=runs_dir)
   return runs_dir / SOURCE_RUN
 
@@ -86,13 +95,12 @@ def load_model(rundir: pathlib.Path):
 def validation_windows(rundir: pathlib.Path, tokenizer, n: int, count: int, rng):
   """`[count, n]` token ids: BOS and the first n - 1 characters of random validation
   paragraphs at least that long (what the model saw: paragraphs are its documents)."""
-  source = data.load_data_source('shakespeare', 'validation',
-                                 tfds_data_dir=rundir.parent / 'tfds')
-  texts = [t for t in (source[i]['text'].decode() for i in range(len(source)))
-           if len(t) >= n - 1]
+  source = data.load_data_source('shakespeare', 'validation', tfds_data_dir=rundir.parent / 'tfds')
+  texts = [t for t in (source[i]['text'].decode() for i in range(len(source))) if len(t) >= n - 1]
   chosen = rng.choice(len(texts), size=count, replace=len(texts) < count)
-  return np.array([[tokenizer.bos_id, *tokenizer.encode(texts[i][:n - 1])] for i in chosen],
-                  np.int32)
+  return np.array(
+      [[tokenizer.bos_id, *tokenizer.encode(texts[i][: n - 1])] for i in chosen], np.int32
+  )
 
 
 def attention_inputs(model, tokens):
@@ -112,10 +120,11 @@ def attention_inputs(model, tokens):
 def recomputed_logits(model, layer: int, x):
   """Head logits from X and the layer's kernels: checks that X is the head's real input."""
   attention = model.decoder.layers[layer].self_attention
-  q = jnp.einsum('bnd,dhk->bhnk', x, attention.query_kernel[...]) + \
-      attention.query_bias[...][:, None]
-  k = jnp.einsum('bnd,dhk->bhnk', x, attention.key_kernel[...]) + \
-      attention.key_bias[...][:, None]
+  q = (
+      jnp.einsum('bnd,dhk->bhnk', x, attention.query_kernel[...])
+      + attention.query_bias[...][:, None]
+  )
+  k = jnp.einsum('bnd,dhk->bhnk', x, attention.key_kernel[...]) + attention.key_bias[...][:, None]
   return jnp.einsum('bhqk,bhnk->bhqn', q, k) * attention.spec.logit_scale
 
 
@@ -137,21 +146,30 @@ def problems(n: int, seeds: int, model, windows, rng):
   heads = rng.integers(weights.shape[2], size=seeds)
   seed_ids = np.arange(seeds)
   if inputs.shape[-1] != RANDOM_DIM:
-    raise ValueError(f'the trained model has D={inputs.shape[-1]}; the fits stack its inputs '
-                     f'with random ones of D={RANDOM_DIM}.')
+    raise ValueError(
+        f'the trained model has D={inputs.shape[-1]}; the fits stack its inputs '
+        f'with random ones of D={RANDOM_DIM}.'
+    )
   full, causal = np.ones((n, n), bool), np.tril(np.ones((n, n), bool))
   x = np.concatenate([x_random, inputs[last], inputs[layers, seed_ids]])
-  p = np.concatenate([sharp_targets(rng, n, seeds), sharp_targets(rng, n, seeds),
-                      weights[layers, seed_ids, heads]])
+  p = np.concatenate(
+      [sharp_targets(rng, n, seeds), sharp_targets(rng, n, seeds), weights[layers, seed_ids, heads]]
+  )
   masks = np.stack([full] * (2 * seeds) + [causal] * seeds)
   input_ranks = np.asarray(rank.numerical_rank(x))
   described = []
   for k, problem in enumerate(PROBLEMS):
     for seed in range(seeds):
       layer = (None, last, int(layers[seed]))[k]
-      described.append({'problem': problem, 'seed': seed, 'layer': layer,
-                        'head': int(heads[seed]) if k == 2 else None,
-                        'input_rank': int(input_ranks[k * seeds + seed])})
+      described.append(
+          {
+              'problem': problem,
+              'seed': seed,
+              'layer': layer,
+              'head': int(heads[seed]) if k == 2 else None,
+              'input_rank': int(input_ranks[k * seeds + seed]),
+          }
+      )
   return x, p, masks, described
 
 
@@ -162,19 +180,33 @@ def run_fits(model, windows, *, seeds: int, steps: int, lengths, rng) -> list[di
     for d in head_dims(n):
       start = time.time()
       # Two starts, the better fit counts: random, and the rank-d SVD of log P through X^+.
-      fits = {init: rank.fit_head(x, p, d, mask=masks, steps=steps, seed=np.arange(len(x)),
-                                  init=init) for init in rank.INITS}
+      fits = {
+          init: rank.fit_head(x, p, d, mask=masks, steps=steps, seed=np.arange(len(x)), init=init)
+          for init in rank.INITS
+      }
       kl = {init: np.asarray(fit.kl) for init, fit in fits.items()}
       ranks = {init: np.asarray(rank.numerical_rank(fit.logits)) for init, fit in fits.items()}
       for i, problem in enumerate(described):
         best = min(rank.INITS, key=lambda init: kl[init][i])
-        rows.append({**problem, 'length': n, 'd': d, 'd_over_n': d / n,
-                     'kl': float(kl[best][i]), 'kl_plot': max(float(kl[best][i]), KL_FLOOR),
-                     'best_init': best, 'fitted_rank': int(ranks[best][i]),
-                     **{f'kl_{init}': float(kl[init][i]) for init in rank.INITS}})
-      print(f'n={n} d={d}: best KL ' +
-            ' '.join(f'{min(kl[i][j] for i in kl):.2g}' for j in range(len(x))) +
-            f' ({time.time() - start:.0f} s)', flush=True)
+        rows.append(
+            {
+                **problem,
+                'length': n,
+                'd': d,
+                'd_over_n': d / n,
+                'kl': float(kl[best][i]),
+                'kl_plot': max(float(kl[best][i]), KL_FLOOR),
+                'best_init': best,
+                'fitted_rank': int(ranks[best][i]),
+                **{f'kl_{init}': float(kl[init][i]) for init in rank.INITS},
+            }
+        )
+      print(
+          f'n={n} d={d}: best KL '
+          + ' '.join(f'{min(kl[i][j] for i in kl):.2g}' for j in range(len(x)))
+          + f' ({time.time() - start:.0f} s)',
+          flush=True,
+      )
   return rows
 
 
@@ -185,20 +217,28 @@ def trained_ranks(model, windows) -> list[dict]:
   for layer, (x, layer_logits) in enumerate(zip(inputs, logits)):
     error = float(np.max(np.abs(recomputed_logits(model, layer, x) - layer_logits)))
     if error > 1e-3 * float(np.max(np.abs(layer_logits))):
-      raise RuntimeError(f'layer {layer}: logits recomputed from the captured inputs differ by '
-                         f'{error}; the inputs are not what the heads saw.')
+      raise RuntimeError(
+          f'layer {layer}: logits recomputed from the captured inputs differ by '
+          f'{error}; the inputs are not what the heads saw.'
+      )
     numerical = np.asarray(rank.numerical_rank(layer_logits))  # [windows, heads]
     energy = np.asarray(rank.energy_rank(layer_logits, 0.99))
     input_ranks = np.asarray(rank.numerical_rank(x))  # [windows]
     head_dim = model.decoder.layers[layer].self_attention.spec.head_dim
-    rows.append({'layer': layer, 'head_dim': head_dim, 'n': int(windows.shape[1]),
-                 'windows': int(windows.shape[0]),
-                 'input_rank_min': int(input_ranks.min()),
-                 'input_rank_max': int(input_ranks.max()),
-                 'numerical_rank_max': int(numerical.max()),
-                 'numerical_rank_min': int(numerical.min()),
-                 'energy99_rank_mean': float(energy.mean()),
-                 'energy99_rank_max': int(energy.max())})
+    rows.append(
+        {
+            'layer': layer,
+            'head_dim': head_dim,
+            'n': int(windows.shape[1]),
+            'windows': int(windows.shape[0]),
+            'input_rank_min': int(input_ranks.min()),
+            'input_rank_max': int(input_ranks.max()),
+            'numerical_rank_max': int(numerical.max()),
+            'numerical_rank_min': int(numerical.min()),
+            'energy99_rank_mean': float(energy.mean()),
+            'energy99_rank_max': int(energy.max()),
+        }
+    )
   return rows
 
 
@@ -209,28 +249,44 @@ def report(results, out_dir: pathlib.Path) -> str:
   fits = results['fits']
   for problem in PROBLEMS:
     slug = problem.replace(', ', '_').replace(' ', '_')
-    rows = [{**r, 'd_over_n': round(r['d_over_n'], 4)}  # short tick labels
-            for r in fits if r['problem'] == problem]
-    runner.plot_lines(rows, x='d_over_n', y='kl_plot',
-                      group='length', out=out_dir / f'expressivity_{slug}.png', logx=True,
-                      logy=True,
-                      xlabel='head size / sequence length, d / n',
-                      ylabel=f'row-wise KL of the best fit (nats; < {KL_FLOOR:g} drawn at it)',
-                      title=problem)
+    rows = [
+        {**r, 'd_over_n': round(r['d_over_n'], 4)}  # short tick labels
+        for r in fits
+        if r['problem'] == problem
+    ]
+    runner.plot_lines(
+        rows,
+        x='d_over_n',
+        y='kl_plot',
+        group='length',
+        out=out_dir / f'expressivity_{slug}.png',
+        logx=True,
+        logy=True,
+        xlabel='head size / sequence length, d / n',
+        ylabel=f'row-wise KL of the best fit (nats; < {KL_FLOOR:g} drawn at it)',
+        title=problem,
+    )
   # 'length' is n: aggregate's own 'n' counts the seeds.
   by = runner.aggregate(fits, by=['problem', 'length', 'd'], values=['kl', 'fitted_rank'])
   cells = {(r['problem'], r['length'], r['d']): r for r in by}
   lengths = sorted({r['length'] for r in fits})
   lines = []
   for problem in PROBLEMS:
-    for label, d_of in (('1', lambda n: 1), ('n/8', lambda n: n // 8), ('n/4', lambda n: n // 4),
-                        ('n/2', lambda n: n // 2), ('3n/4', lambda n: 3 * n // 4),
-                        ('n', lambda n: n), ('2n', lambda n: 2 * n)):
+    for label, d_of in (
+        ('1', lambda n: 1),
+        ('n/8', lambda n: n // 8),
+        ('n/4', lambda n: n // 4),
+        ('n/2', lambda n: n // 2),
+        ('3n/4', lambda n: 3 * n // 4),
+        ('n', lambda n: n),
+        ('2n', lambda n: 2 * n),
+    ):
       row = {'problem': problem, 'd': label}
       for n in lengths:
         cell = cells.get((problem, n, d_of(n)))
-        row[f'n = {n}'] = None if cell is None else (
-            f"{cell['kl']:.2g} (rank {cell['fitted_rank_max']:.0f})")
+        row[f'n = {n}'] = (
+            None if cell is None else (f"{cell['kl']:.2g} (rank {cell['fitted_rank_max']:.0f})")
+        )
       lines.append(row)
   table = runner.markdown_table(lines, ['problem', 'd', *[f'n = {n}' for n in lengths]])
   # Theorem 1 needs rank(X) = n: the inputs' own numerical rank, per problem and n.
@@ -241,42 +297,63 @@ def report(results, out_dir: pathlib.Path) -> str:
       values = [r['input_rank'] for r in fits if r['problem'] == problem and r['length'] == n]
       row[f'n = {n}'] = f'{min(values)}-{max(values)}'
     input_ranks.append(row)
-  input_table = runner.markdown_table(input_ranks, ['inputs of',
-                                                    *[f'n = {n}' for n in lengths]])
-  ranks = runner.markdown_table(results['trained_ranks'], [
-      ('layer', 'layer'), ('head size d', 'head_dim'), ('n', 'n'), ('windows', 'windows'),
-      ('rank of its inputs X', lambda r: f"{r['input_rank_min']}-{r['input_rank_max']}"),
-      ('numerical rank of head logits (min-max over heads, windows)',
-       lambda r: f"{r['numerical_rank_min']}-{r['numerical_rank_max']}"),
-      ('99%-energy rank (mean, max)',
-       lambda r: f"{r['energy99_rank_mean']:.1f}, {r['energy99_rank_max']}")])
+  input_table = runner.markdown_table(input_ranks, ['inputs of', *[f'n = {n}' for n in lengths]])
+  ranks = runner.markdown_table(
+      results['trained_ranks'],
+      [
+          ('layer', 'layer'),
+          ('head size d', 'head_dim'),
+          ('n', 'n'),
+          ('windows', 'windows'),
+          ('rank of its inputs X', lambda r: f"{r['input_rank_min']}-{r['input_rank_max']}"),
+          (
+              'numerical rank of head logits (min-max over heads, windows)',
+              lambda r: f"{r['numerical_rank_min']}-{r['numerical_rank_max']}",
+          ),
+          (
+              '99%-energy rank (mean, max)',
+              lambda r: f"{r['energy99_rank_mean']:.1f}, {r['energy99_rank_max']}",
+          ),
+      ],
+  )
   m = results['machine']
   slugs = [p.replace(', ', '_').replace(' ', '_') for p in PROBLEMS]
-  return '\n'.join([
-      f"Command: `{results['command']}`; {results['seeds']} seeds, {results['steps']} Adam "
-      f"steps per fit from each of two starts; {results['wall_time_s'] / 60:.1f} min wall, "
-      f"{results['cpu_time_s'] / 60:.1f} CPU-min (training the source model: "
-      f"{results['source_train_s'] / 60:.1f} min of training steps, not counted), on {m['cpu']} "
-      f"({m.get('cpus_available', '?')} CPUs, shared), jax {m.get('jax', '?')}.",
-      '',
-      'Mean row-wise KL (nats) over seeds of the better of the two fits (random start, SVD '
-      'start), and the largest numerical rank of the fitted logits:', '', table,
-      ' '.join(f'![{p}](expressivity_{s}.png)' for p, s in zip(PROBLEMS, slugs)), '',
-      'Numerical rank of the inputs X (min-max over seeds; real X with sharp targets come '
-      'from the last layer, with real targets from the head\'s own layer):', '', input_table,
-      f"Numerical rank of the trained model's head logits (source: `{results['source']}`, "
-      f"step {results['source_step']}, validation bits/char {results['source_bpc']:.3f}):",
-      '', ranks])
+  return '\n'.join(
+      [
+          f"Command: `{results['command']}`; {results['seeds']} seeds, {results['steps']} Adam "
+          f"steps per fit from each of two starts; {results['wall_time_s'] / 60:.1f} min wall, "
+          f"{results['cpu_time_s'] / 60:.1f} CPU-min (training the source model: "
+          f"{results['source_train_s'] / 60:.1f} min of training steps, not counted), on {m['cpu']} "
+          f"({m.get('cpus_available', '?')} CPUs, shared), jax {m.get('jax', '?')}.",
+          '',
+          'Mean row-wise KL (nats) over seeds of the better of the two fits (random start, SVD '
+          'start), and the largest numerical rank of the fitted logits:',
+          '',
+          table,
+          ' '.join(f'![{p}](expressivity_{s}.png)' for p, s in zip(PROBLEMS, slugs)),
+          '',
+          'Numerical rank of the inputs X (min-max over seeds; real X with sharp targets come '
+          "from the last layer, with real targets from the head's own layer):",
+          '',
+          input_table,
+          f"Numerical rank of the trained model's head logits (source: `{results['source']}`, "
+          f"step {results['source_step']}, validation bits/char {results['source_bpc']:.3f}):",
+          '',
+          ranks,
+      ]
+  )
 
 
 def main(argv=None):
   parser = runner.arg_parser(__doc__, 'bottleneck_expressivity')
   parser.add_argument('--seeds', type=int, default=3, help='problems per kind, n and d')
   parser.add_argument('--steps', type=int, default=1500, help='Adam steps per fit')
-  parser.add_argument('--lengths', default=','.join(map(str, LENGTHS)),
-                      help='sequence lengths n, comma-separated')
-  parser.add_argument('--out_dir', default=str(HERE),
-                      help='where results.json, the plots and the README section go')
+  parser.add_argument(
+      '--lengths', default=','.join(map(str, LENGTHS)), help='sequence lengths n, comma-separated'
+  )
+  parser.add_argument(
+      '--out_dir', default=str(HERE), help='where results.json, the plots and the README section go'
+  )
   args = parser.parse_args(argv)
   out_dir = pathlib.Path(args.out_dir)
   if args.plot_only:
@@ -288,17 +365,22 @@ def main(argv=None):
     start, cpu_start = time.time(), time.process_time()
     model, tokenizer, _ = load_model(rundir)
     rng = np.random.default_rng(0)
-    windows = validation_windows(rundir, tokenizer, max(lengths), max(RANK_WINDOWS, args.seeds),
-                                 rng)
+    windows = validation_windows(
+        rundir, tokenizer, max(lengths), max(RANK_WINDOWS, args.seeds), rng
+    )
     done = json.loads((rundir / runner.DONE_FILE).read_text())
     results = {
         'command': ' '.join(['python -m experiments.bottleneck.expressivity', *(argv or [])]),
-        'machine': runner.machine(), 'seeds': args.seeds, 'steps': args.steps,
-        'source': SOURCE_RUN, 'source_step': max(m['step'] for m in done['metrics']),
+        'machine': runner.machine(),
+        'seeds': args.seeds,
+        'steps': args.steps,
+        'source': SOURCE_RUN,
+        'source_step': max(m['step'] for m in done['metrics']),
         'source_bpc': done['result']['bits_per_char'],
         'source_train_s': max(m.get('train_secs', 0.0) for m in done['metrics']),
-        'fits': run_fits(model, windows, seeds=args.seeds, steps=args.steps, lengths=lengths,
-                         rng=rng),
+        'fits': run_fits(
+            model, windows, seeds=args.seeds, steps=args.steps, lengths=lengths, rng=rng
+        ),
         'trained_ranks': trained_ranks(model, windows[:RANK_WINDOWS]),
     }
     results['wall_time_s'] = time.time() - start

@@ -73,8 +73,12 @@ VARIANTS = (
     Variant('concat', 'concat, d = D/h'),
     Variant('fixed_64', 'fixed_head, d_p = n/2 = 64', head_dim=LENGTH // 2),
     Variant('fixed_128', 'fixed_head, d_p = n = 128', head_dim=LENGTH),
-    Variant('fixed_64_pm', 'fixed_head, d_p = 64, MLP narrowed to concat\'s parameters',
-            head_dim=LENGTH // 2, parameter_matched=True),
+    Variant(
+        'fixed_64_pm',
+        "fixed_head, d_p = 64, MLP narrowed to concat's parameters",
+        head_dim=LENGTH // 2,
+        parameter_matched=True,
+    ),
 )
 
 
@@ -116,10 +120,15 @@ def model_size(config, vocab_size: int) -> dict[str, float]:
   attention = sum(layer.self_attention.spec.num_params() for layer in model.decoder.layers)
   length = config.data.max_length
   train_flops_per_token = 3 * model.flops(1, length) / length  # forward + backward ~ 3x
-  return {'params': params, 'attention_params': attention,
-          'train_flops_per_token': train_flops_per_token,
-          'train_flops': train_flops_per_token * config.num_train_steps
-                         * config.per_device_batch_size * length}
+  return {
+      'params': params,
+      'attention_params': attention,
+      'train_flops_per_token': train_flops_per_token,
+      'train_flops': train_flops_per_token
+      * config.num_train_steps
+      * config.per_device_batch_size
+      * length,
+  }
 
 
 def collect(rundir: pathlib.Path) -> dict:
@@ -132,8 +141,12 @@ def collect(rundir: pathlib.Path) -> dict:
   if not evals:
     raise ValueError(f'{rundir}: no eval line in metrics.jsonl')
   last = max(evals, key=lambda m: m['step'])
-  out['result'] = {**out['result'], **model_size(config, vocab_size),
-                   'bits_per_char': last['loss'] / math.log(2), 'vocab_size': vocab_size}
+  out['result'] = {
+      **out['result'],
+      **model_size(config, vocab_size),
+      'bits_per_char': last['loss'] / math.log(2),
+      'vocab_size': vocab_size,
+  }
   return out
 
 
@@ -145,11 +158,16 @@ def grid(runs_dir: pathlib.Path, *, smoke: bool = False) -> list[runner.Run]:
     if name in seen:
       continue
     seen.add(name)
-    extra = {'num_train_steps': SMOKE_STEPS, 'checkpoint_every_steps': SMOKE_STEPS,
-             'num_eval_steps': 2} if smoke else {}
-    runs.append(runner.train_run(name, CONFIG, seed=seed, overrides={**overrides, **tfds,
-                                                                     **extra},
-                                 collect=collect))
+    extra = (
+        {'num_train_steps': SMOKE_STEPS, 'checkpoint_every_steps': SMOKE_STEPS, 'num_eval_steps': 2}
+        if smoke
+        else {}
+    )
+    runs.append(
+        runner.train_run(
+            name, CONFIG, seed=seed, overrides={**overrides, **tfds, **extra}, collect=collect
+        )
+    )
   if smoke:
     runs = [run for run in runs if run.name in ('concat-h1-s0', 'fixed_64-h1-s0')]
   return runs
@@ -162,49 +180,87 @@ def rows(results) -> list[dict]:
   for variant, h, seed, name, _ in points():
     if name in by_name:
       row = by_name[name]
-      out.append({'variant': variant.label, 'heads': h, 'seed': seed, 'run': name,
-                  **{k: row.get(k) for k in ('bits_per_char', 'params', 'attention_params',
-                                             'train_flops', 'wall_time_s', MLP, HEAD_DIM)}})
+      out.append(
+          {
+              'variant': variant.label,
+              'heads': h,
+              'seed': seed,
+              'run': name,
+              **{
+                  k: row.get(k)
+                  for k in (
+                      'bits_per_char',
+                      'params',
+                      'attention_params',
+                      'train_flops',
+                      'wall_time_s',
+                      MLP,
+                      HEAD_DIM,
+                  )
+              },
+          }
+      )
   return out
 
 
 def report(results) -> str:
   """The README's results section: table, plot, runs summary."""
-  table_rows = runner.aggregate(rows(results), by=['variant', 'heads'],
-                                values=['bits_per_char', 'params', 'attention_params',
-                                        'train_flops', 'wall_time_s'])
-  runner.plot_lines(rows(results), x='heads', y='bits_per_char', group='variant',
-                    out=HERE / 'sweep.png', logx=True, xlabel='heads h (D = 256, n = 128)',
-                    ylabel='validation bits per character',
-                    title='Head-size sweep, char LM on Shakespeare (min-max over seeds)')
-  table = runner.markdown_table(table_rows, [
-      ('variant', 'variant'), ('h', 'heads'),
-      ('head size', lambda r: _head_size(r)),
-      ('seeds', 'n'),
-      ('bits/char', lambda r: f"{r['bits_per_char']:.4f} ± {r['bits_per_char_std']:.4f}"),
-      ('params', lambda r: f"{r['params'] / 1e6:.2f}M"),
-      ('attention params', lambda r: f"{r['attention_params'] / 1e6:.2f}M"),
-      ('train PFLOP', lambda r: f"{r['train_flops'] / 1e15:.2f}"),
-      ('run time', lambda r: f"{r['wall_time_s'] / 60:.1f} min")])
-  return '\n'.join([runner.runs_summary(results), '', table, '![sweep](sweep.png)', '',
-                    *_trends(table_rows)])
+  table_rows = runner.aggregate(
+      rows(results),
+      by=['variant', 'heads'],
+      values=['bits_per_char', 'params', 'attention_params', 'train_flops', 'wall_time_s'],
+  )
+  runner.plot_lines(
+      rows(results),
+      x='heads',
+      y='bits_per_char',
+      group='variant',
+      out=HERE / 'sweep.png',
+      logx=True,
+      xlabel='heads h (D = 256, n = 128)',
+      ylabel='validation bits per character',
+      title='Head-size sweep, char LM on Shakespeare (min-max over seeds)',
+  )
+  table = runner.markdown_table(
+      table_rows,
+      [
+          ('variant', 'variant'),
+          ('h', 'heads'),
+          ('head size', lambda r: _head_size(r)),
+          ('seeds', 'n'),
+          ('bits/char', lambda r: f"{r['bits_per_char']:.4f} ± {r['bits_per_char_std']:.4f}"),
+          ('params', lambda r: f"{r['params'] / 1e6:.2f}M"),
+          ('attention params', lambda r: f"{r['attention_params'] / 1e6:.2f}M"),
+          ('train PFLOP', lambda r: f"{r['train_flops'] / 1e15:.2f}"),
+          ('run time', lambda r: f"{r['wall_time_s'] / 60:.1f} min"),
+      ],
+  )
+  return '\n'.join(
+      [runner.runs_summary(results), '', table, '![sweep](sweep.png)', '', *_trends(table_rows)]
+  )
 
 
 def _trends(table_rows) -> list[str]:
   """Per variant: bits/char at its fewest and most heads, against the spread over seeds."""
-  lines = ['Fewest to most heads, per variant (mean bits/char; spread = largest max - min '
-           'over seeds at any h of that variant):', '']
+  lines = [
+      'Fewest to most heads, per variant (mean bits/char; spread = largest max - min '
+      'over seeds at any h of that variant):',
+      '',
+  ]
   for variant in VARIANTS:
-    points = sorted((r for r in table_rows if r['variant'] == variant.label),
-                    key=lambda r: r['heads'])
+    points = sorted(
+        (r for r in table_rows if r['variant'] == variant.label), key=lambda r: r['heads']
+    )
     if len(points) < 2:
       continue
     first, last = points[0], points[-1]
     spread = max(r['bits_per_char_max'] - r['bits_per_char_min'] for r in points)
     change = last['bits_per_char'] - first['bits_per_char']
-    lines.append(f"- {variant.label}: {first['bits_per_char']:.3f} at h = {first['heads']}, "
-                 f"{last['bits_per_char']:.3f} at h = {last['heads']} ({change:+.3f}; "
-                 f"spread {spread:.3f})")
+    lines.append(
+        f"- {variant.label}: {first['bits_per_char']:.3f} at h = {first['heads']}, "
+        f"{last['bits_per_char']:.3f} at h = {last['heads']} ({change:+.3f}; "
+        f'spread {spread:.3f})'
+    )
   return lines
 
 
@@ -216,21 +272,28 @@ def _head_size(row) -> int:
 
 def main(argv=None):
   parser = runner.arg_parser(__doc__, 'bottleneck_sweep')
-  parser.add_argument('--smoke', action='store_true',
-                      help=f'two runs of {SMOKE_STEPS} steps under <runs_dir>/smoke')
+  parser.add_argument(
+      '--smoke', action='store_true', help=f'two runs of {SMOKE_STEPS} steps under <runs_dir>/smoke'
+  )
   args = parser.parse_args(argv)
   runs_dir = pathlib.Path(args.runs_dir)
   if args.smoke:
     smoke_dir = runs_dir / 'smoke'
-    results = runner.run_grid(grid(smoke_dir, smoke=True), smoke_dir, runs_dir=smoke_dir,
-                              parallel=args.parallel, refresh=args.refresh)
+    results = runner.run_grid(
+        grid(smoke_dir, smoke=True),
+        smoke_dir,
+        runs_dir=smoke_dir,
+        parallel=args.parallel,
+        refresh=args.refresh,
+    )
     print(json.dumps(rows(results), indent=1))
     return results
   if args.plot_only:
     results = runner.load_results(HERE)
   else:
-    results = runner.run_grid(grid(runs_dir), HERE, runs_dir=runs_dir,
-                              parallel=args.parallel, refresh=args.refresh)
+    results = runner.run_grid(
+        grid(runs_dir), HERE, runs_dir=runs_dir, parallel=args.parallel, refresh=args.refresh
+    )
   runner.write_section(HERE / 'README.md', 'sweep', report(results))
   return results
 

@@ -46,9 +46,12 @@ def arguments():
   parser.add_argument('--steps', type=int, default=600, help='training steps of every run')
   parser.add_argument('--key_widths', default='256,128,64,32', help='total query/key widths')
   parser.add_argument('--seeds', default='0,1')
-  parser.add_argument('--smoke', action='store_true',
-                      help='end to end in minutes: configs/nmt.py:tiny (D=128, 4 heads), 6 '
-                           'steps, key widths 128 and 32, one seed; results under --runs_dir')
+  parser.add_argument(
+      '--smoke',
+      action='store_true',
+      help='end to end in minutes: configs/nmt.py:tiny (D=128, 4 heads), 6 '
+      'steps, key widths 128 and 32, one seed; results under --runs_dir',
+  )
   args = parser.parse_args()
   args.config = 'configs/nmt.py:multi30k'
   args.key_widths = [int(k) for k in args.key_widths.split(',')]
@@ -71,9 +74,13 @@ def load_config(config_file: str):
 
 def training_fields(kind: str, key_width: int, emb_dim: int, steps: int) -> dict:
   """The config overrides of one run."""
-  fields = {'num_train_steps': steps, 'warmup_steps': max(steps // 6, 1),
-            'checkpoint_every_steps': max(steps // 4, 1), 'eval_every_steps': 0,
-            'decode.num_examples': 0}  # BLEU once, in the final evaluation (validation, test)
+  fields = {
+      'num_train_steps': steps,
+      'warmup_steps': max(steps // 6, 1),
+      'checkpoint_every_steps': max(steps // 4, 1),
+      'eval_every_steps': 0,
+      'decode.num_examples': 0,
+  }  # BLEU once, in the final evaluation (validation, test)
   if kind == 'concat' and key_width == emb_dim:
     return fields  # the baseline layer
   fields |= {'model.attention.kind': 'collaborative', 'model.attention.key_dim': key_width}
@@ -87,10 +94,13 @@ def parameters(config) -> dict[str, int]:
   model_cfg = config_lib.model_config(config, config.data.vocab_size)
   model = nnx.eval_shape(lambda: models.EncoderDecoder(model_cfg, bos_id=1, rngs=nnx.Rngs(0)))
   return {
-      'attention_params': sum(model_cfg.attention(t, i).num_params()
-                              for t in models.ATTENTION_TYPES
-                              for i in range(model_cfg.num_layers(t))),
-      'params': sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))}
+      'attention_params': sum(
+          model_cfg.attention(t, i).num_params()
+          for t in models.ATTENTION_TYPES
+          for i in range(model_cfg.num_layers(t))
+      ),
+      'params': sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
+  }
 
 
 def main():
@@ -99,8 +109,10 @@ def main():
   emb_dim = base.model.emb_dim
   # One vocabulary and one prepared data set for all runs (the first run makes them).
   shared = pathlib.Path(args.runs_dir).resolve() / 'shared'
-  data = {'data.tokenizer_path': str(shared / f'spm{base.data.vocab_size}.model'),
-          'data.tfds_data_dir': str(shared / 'tfds')}
+  data = {
+      'data.tokenizer_path': str(shared / f'spm{base.data.vocab_size}.model'),
+      'data.tfds_data_dir': str(shared / 'tfds'),
+  }
   runs, sizes = [], {}
   for kind in KINDS:
     for key_width in args.key_widths:
@@ -109,52 +121,94 @@ def main():
       config_lib.validate(config)  # before any run starts
       sizes[kind, key_width] = parameters(config)
       for seed in args.seeds:
-        run = runner.train_run(f'{kind}-k{key_width}-s{seed}', args.config, seed=seed,
-                               overrides=fields)
-        runs.append(dataclasses.replace(
-            run, config={'kind': kind, 'key_width': key_width, **run.config}))
+        run = runner.train_run(
+            f'{kind}-k{key_width}-s{seed}', args.config, seed=seed, overrides=fields
+        )
+        runs.append(
+            dataclasses.replace(run, config={'kind': kind, 'key_width': key_width, **run.config})
+        )
   # Seed by seed, and both kinds at a key width side by side: a grid stopped part way has
   # comparable pairs rather than one kind's whole sweep.
-  runs.sort(key=lambda r: (args.seeds.index(r.seed), args.key_widths.index(r.config['key_width']),
-                           KINDS.index(r.config['kind'])))
+  runs.sort(
+      key=lambda r: (
+          args.seeds.index(r.seed),
+          args.key_widths.index(r.config['key_width']),
+          KINDS.index(r.config['kind']),
+      )
+  )
   if args.plot_only:
     results = runner.load_results(args.out)
   else:
-    results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel,
-                              refresh=args.refresh)
+    results = runner.run_grid(
+        runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
+    )
   report(results, sizes, args)
 
 
 def report(results, sizes, args) -> None:
   rows = []
   for test, validation in zip(runner.final(results, 'test'), runner.final(results, 'validation')):
-    rows.append({**test, 'bleu_test': runner.bleu_of(test),
-                 'bleu_validation': runner.bleu_of(validation),
-                 **sizes[test['kind'], test['key_width']]})
+    rows.append(
+        {
+            **test,
+            'bleu_test': runner.bleu_of(test),
+            'bleu_validation': runner.bleu_of(validation),
+            **sizes[test['kind'], test['key_width']],
+        }
+    )
   rows = [r for r in rows if r['bleu_test'] is not None]
   if not rows:
     print('no finished run has a final test evaluation yet')
     return
-  runner.plot_lines(rows, x='key_width', y='bleu_test', group='kind', logx=True,
-                    out=args.out / 'bleu.png', xlabel='total query/key width D~k',
-                    ylabel='BLEU, test_2016_flickr', title='Multi30k en-de, trained from scratch')
-  summary = runner.aggregate(rows, by=['kind', 'key_width'],
-                             values=['bleu_test', 'bleu_validation', 'attention_params',
-                                     'params'])
+  runner.plot_lines(
+      rows,
+      x='key_width',
+      y='bleu_test',
+      group='kind',
+      logx=True,
+      out=args.out / 'bleu.png',
+      xlabel='total query/key width D~k',
+      ylabel='BLEU, test_2016_flickr',
+      title='Multi30k en-de, trained from scratch',
+  )
+  summary = runner.aggregate(
+      rows,
+      by=['kind', 'key_width'],
+      values=['bleu_test', 'bleu_validation', 'attention_params', 'params'],
+  )
   summary.sort(key=lambda r: (KINDS.index(r['kind']), -r['key_width']))
-  spread = lambda key: lambda r: (f"{r[key]:.2f} ({r[key + '_min']:.2f}-{r[key + '_max']:.2f})"
-                                  if r['n'] > 1 else f'{r[key]:.2f}')
-  table = runner.markdown_table(summary, [
-      ('kind', 'kind'), ('D~k', 'key_width'), ('seeds', 'n'),
-      ('BLEU test (min-max)', spread('bleu_test')),
-      ('BLEU validation (min-max)', spread('bleu_validation')),
-      ('attention params', lambda r: f"{r['attention_params']:,.0f}"),
-      ('params', lambda r: f"{r['params']:,.0f}")])
+  spread = lambda key: lambda r: (
+      f"{r[key]:.2f} ({r[key + '_min']:.2f}-{r[key + '_max']:.2f})"
+      if r['n'] > 1
+      else f'{r[key]:.2f}'
+  )
+  table = runner.markdown_table(
+      summary,
+      [
+          ('kind', 'kind'),
+          ('D~k', 'key_width'),
+          ('seeds', 'n'),
+          ('BLEU test (min-max)', spread('bleu_test')),
+          ('BLEU validation (min-max)', spread('bleu_validation')),
+          ('attention params', lambda r: f"{r['attention_params']:,.0f}"),
+          ('params', lambda r: f"{r['params']:,.0f}"),
+      ],
+  )
   (args.out / 'results.md').write_text(table)
   if not args.smoke:
-    runner.write_section(HERE / 'README.md', 'from_scratch', '\n'.join([
-        f'{args.steps} steps per run. ' + runner.runs_summary(results), '', table, '',
-        '![BLEU vs key width](from_scratch/bleu.png)']))
+    runner.write_section(
+        HERE / 'README.md',
+        'from_scratch',
+        '\n'.join(
+            [
+                f'{args.steps} steps per run. ' + runner.runs_summary(results),
+                '',
+                table,
+                '',
+                '![BLEU vs key width](from_scratch/bleu.png)',
+            ]
+        ),
+    )
 
 
 if __name__ == '__main__':

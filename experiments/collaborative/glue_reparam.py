@@ -66,9 +66,12 @@ def arguments():
   parser.add_argument('--methods', default=','.join(METHODS))
   parser.add_argument('--seeds', default='0')
   parser.add_argument('--decompose', choices=('finetuned', 'pretrained'), default='finetuned')
-  parser.add_argument('--smoke', action='store_true',
-                      help='configs/glue.py:tiny-sized fine-tunes of 4 steps on RTE, one '
-                           'method at D~k = 64; results under --runs_dir')
+  parser.add_argument(
+      '--smoke',
+      action='store_true',
+      help='configs/glue.py:tiny-sized fine-tunes of 4 steps on RTE, one '
+      'method at D~k = 64; results under --runs_dir',
+  )
   args = parser.parse_args()
   args.tasks = args.tasks.split(',')
   args.key_dims = [int(k) for k in args.key_dims.split(',')]
@@ -76,14 +79,19 @@ def arguments():
   args.seeds = [int(s) for s in args.seeds.split(',')]
   for name, given, valid in (('tasks', args.tasks, TASKS), ('methods', args.methods, METHODS)):
     if set(given) - set(valid):
-      parser.error(f'--{name}: {sorted(set(given) - set(valid))} unknown; valid: '
-                   f'{",".join(valid)}')
+      parser.error(
+          f'--{name}: {sorted(set(given) - set(valid))} unknown; valid: ' f'{",".join(valid)}'
+      )
   args.out = OUT if args.decompose == 'finetuned' else OUT / 'pretrained'
   args.budget = {}
   if args.smoke:
     args.tasks, args.key_dims, args.methods, args.seeds = ['rte'], [64], ['collaborative'], [0]
-    args.budget = {'num_train_steps': 4, 'warmup_steps': 1, 'checkpoint_every_steps': 2,
-                   'data.max_length': 32}
+    args.budget = {
+        'num_train_steps': 4,
+        'warmup_steps': 1,
+        'checkpoint_every_steps': 2,
+        'data.max_length': 32,
+    }
     args.out = pathlib.Path(args.runs_dir) / 'smoke_results'
   return args
 
@@ -93,8 +101,9 @@ def main():
   runs_dir = pathlib.Path(args.runs_dir).resolve()
 
   def run(name, task, seed, overrides, **config):
-    train = runner.train_run(name, f'configs/glue.py:{task}', seed=seed,
-                             overrides={**overrides, **args.budget})
+    train = runner.train_run(
+        name, f'configs/glue.py:{task}', seed=seed, overrides={**overrides, **args.budget}
+    )
     return dataclasses.replace(train, config={'task': task, **config, **train.config})
 
   sources = {}  # (task, seed) -> the run directory the conversions start from
@@ -114,18 +123,34 @@ def main():
     for task in args.tasks:
       source = sources.get((task, seed), PRETRAINED)
       if args.decompose == 'finetuned':
-        second.append(run(f'{task}-original-again-s{seed}', task, seed,
-                          {'init_from': str(source)}, method='original', key_dim=None,
-                          stage=2))
+        second.append(
+            run(
+                f'{task}-original-again-s{seed}',
+                task,
+                seed,
+                {'init_from': str(source)},
+                method='original',
+                key_dim=None,
+                stage=2,
+            )
+        )
       for key_dim in args.key_dims:
         for method in args.methods:
           directory = converted(source, task, seed, method, key_dim, args, runs_dir)
           conversion = json.loads((directory / 'conversion.json').read_text())
           errors[f'{task}-{method}-k{key_dim}-s{seed}'] = conversion['relative_errors']
           frozen = {'trainable': '^(?!.*mixing)'} if method == 'per_head_svd' else {}
-          second.append(run(f'{task}-{method}-k{key_dim}-s{seed}', task, seed,
-                            {**conversion['overrides'], **frozen, 'init_from': str(directory)},
-                            method=method, key_dim=key_dim, stage=2))
+          second.append(
+              run(
+                  f'{task}-{method}-k{key_dim}-s{seed}',
+                  task,
+                  seed,
+                  {**conversion['overrides'], **frozen, 'init_from': str(directory)},
+                  method=method,
+                  key_dim=key_dim,
+                  stage=2,
+              )
+          )
   results = grid(first + second, args)
   report(results, errors, args)
 
@@ -133,8 +158,9 @@ def main():
 def grid(runs, args):
   if args.plot_only:
     return runner.load_results(args.out)
-  results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel,
-                            refresh=args.refresh)
+  results = runner.run_grid(
+      runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
+  )
   keep_predictions(results, args)
   return results
 
@@ -145,6 +171,7 @@ def converted(source, task, seed, method, key_dim, args, runs_dir) -> pathlib.Pa
   from lowrank_attn.models import bert  # pylint: disable=g-import-not-at-top
   from lowrank_attn.reparam import write_run  # pylint: disable=g-import-not-at-top
   from lowrank_attn.train import state as state_lib  # pylint: disable=g-import-not-at-top
+
   origin = f'{task}-s{seed}' if source != PRETRAINED else 'pretrained'
   directory = runs_dir / 'converted' / f'{origin}-{method}-k{key_dim}'
   if not (directory / 'conversion.json').exists():
@@ -153,12 +180,16 @@ def converted(source, task, seed, method, key_dim, args, runs_dir) -> pathlib.Pa
       shutil.rmtree(directory)  # a conversion that was cut off: it writes conversion.json last
     if source == PRETRAINED:
       import configs.glue  # pylint: disable=g-import-not-at-top
+
       model = bert.load_pretrained(state_lib.pretrained_dir(PRETRAINED))
       config = configs.glue.get_config(task)
     else:
       model, config = runs.RunDir(source).model(), runs.RunDir(source).config
-    write_run(convert(model, method, key_dim, ['encoder']), directory,
-              runs.with_overrides(config, args.budget))
+    write_run(
+        convert(model, method, key_dim, ['encoder']),
+        directory,
+        runs.with_overrides(config, args.budget),
+    )
   return directory
 
 
@@ -170,8 +201,9 @@ def keep_predictions(results, args) -> None:
     path = target / f'{entry["name"]}.json'
     if path.exists():
       continue
-    found = sorted(pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob(
-        f'*/{PREDICTIONS}'))
+    found = sorted(
+        pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob(f'*/{PREDICTIONS}')
+    )
     if found:
       target.mkdir(parents=True, exist_ok=True)
       shutil.copyfile(found[-1], path)
@@ -188,9 +220,22 @@ def report(results, errors, args) -> None:
   (args.out / 'results.md').write_text(table + '\n\n' + paper)
   print(table)
   if not args.smoke:
-    runner.write_section(HERE / 'README.md', f'glue_{args.decompose}', '\n'.join([
-        runner.runs_summary(results), '', table, '', 'Cordonnier et al. (2020), Table 3, '
-        'BERT-base (dev; average over the tasks above):', '', paper]))
+    runner.write_section(
+        HERE / 'README.md',
+        f'glue_{args.decompose}',
+        '\n'.join(
+            [
+                runner.runs_summary(results),
+                '',
+                table,
+                '',
+                'Cordonnier et al. (2020), Table 3, '
+                'BERT-base (dev; average over the tasks above):',
+                '',
+                paper,
+            ]
+        ),
+    )
 
 
 def _label(row) -> tuple[str, int | None]:
@@ -203,24 +248,30 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
   """Mean dev score per task over seeds for each (method, D~k), their average, and B - A of
   the average against the control with its paired bootstrap interval (`experiments.stats`)."""
   from experiments import stats  # pylint: disable=g-import-not-at-top  (imports JAX)
+
   tasks = [t for t in TASKS if any(r['task'] == t for r in rows)]
   groups = {}
   for row in rows:
     groups.setdefault(_label(row), []).append(row)
-  control = (('original, fine-tuned again', None) if ('original, fine-tuned again', None)
-             in groups else ('original', None))
+  control = (
+      ('original, fine-tuned again', None)
+      if ('original, fine-tuned again', None) in groups
+      else ('original', None)
+  )
 
   def predictions(group_rows, task):
-    found = [json.loads((predictions_dir / f'{r["name"]}.json').read_text())
-             for r in group_rows if r['task'] == task
-             and (predictions_dir / f'{r["name"]}.json').exists()]
+    found = [
+        json.loads((predictions_dir / f'{r["name"]}.json').read_text())
+        for r in group_rows
+        if r['task'] == task and (predictions_dir / f'{r["name"]}.json').exists()
+    ]
     return ([f['predictions'] for f in found], found[0]['labels']) if found else ([], None)
 
   summary = []
   for (method, key_dim), group in sorted(
-      groups.items(), key=lambda kv: (kv[0][1] is not None, -(kv[0][1] or 0), kv[0][0])):
-    entry = {'method': method, 'key_dim': key_dim,
-             'seeds': sorted({r['seed'] for r in group})}
+      groups.items(), key=lambda kv: (kv[0][1] is not None, -(kv[0][1] or 0), kv[0][0])
+  ):
+    entry = {'method': method, 'key_dim': key_dim, 'seeds': sorted({r['seed'] for r in group})}
     for task in tasks:
       scores = [r['score'] for r in group if r['task'] == task]
       entry[task] = float(np.mean(scores)) if scores else None
@@ -242,13 +293,20 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
 
   cell = lambda v: '' if v is None else f'{v:.2f}'
   diff = lambda e: (str(stats.Interval(**e['difference'])) if 'difference' in e else '')
-  table = runner.markdown_table(summary, [
-      ('method', 'method'), ('D~k', lambda e: e['key_dim'] or 384),
-      ('CP / SVD error', lambda e: cell(e['mean_error']))]
+  table = runner.markdown_table(
+      summary,
+      [
+          ('method', 'method'),
+          ('D~k', lambda e: e['key_dim'] or 384),
+          ('CP / SVD error', lambda e: cell(e['mean_error'])),
+      ]
       + [(task, lambda e, t=task: cell(e[t])) for task in tasks]
-      + [('average', lambda e: cell(e['average'])),
-         (f'average - {control[0]} [95%]', diff),
-         ('seeds', lambda e: ','.join(map(str, e['seeds'])))])
+      + [
+          ('average', lambda e: cell(e['average'])),
+          (f'average - {control[0]} [95%]', diff),
+          ('seeds', lambda e: ','.join(map(str, e['seeds']))),
+      ],
+  )
   return table, summary
 
 
@@ -256,12 +314,17 @@ def paper_table(tasks) -> str:
   """The paper's BERT-base rows for `tasks` (MRPC and STS-B: the mean of their two metrics,
   as our score), with their average over these tasks."""
   score = lambda v: sum(v) / 2 if isinstance(v, tuple) else v
-  rows = [{'D~k': 'BERT-base' if k is None else k,
-           **{t: score(v[t]) for t in tasks},
-           'average': sum(score(v[t]) for t in tasks) / len(tasks)}
-          for k, v in PAPER_BERT_BASE.items()]
-  return runner.markdown_table(rows, [('D~k', 'D~k')] + [
-      (t, lambda r, t=t: f'{r[t]:.2f}') for t in [*tasks, 'average']])
+  rows = [
+      {
+          'D~k': 'BERT-base' if k is None else k,
+          **{t: score(v[t]) for t in tasks},
+          'average': sum(score(v[t]) for t in tasks) / len(tasks),
+      }
+      for k, v in PAPER_BERT_BASE.items()
+  ]
+  return runner.markdown_table(
+      rows, [('D~k', 'D~k')] + [(t, lambda r, t=t: f'{r[t]:.2f}') for t in [*tasks, 'average']]
+  )
 
 
 if __name__ == '__main__':

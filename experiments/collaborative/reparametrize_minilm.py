@@ -58,20 +58,34 @@ BUCKETS = (16, 32, 64, 128, 256)  # padded lengths: few compilations, little pad
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--captions', help='five caption files, comma-separated (line i of each '
-                      'describes image i); default: Multi30k task 2 test from the data dir')
-  parser.add_argument('--key_dims', default='384,256,192,128,96,64,48,32',
-                      help='total query/key widths D~k, comma-separated')
-  parser.add_argument('--finetune_steps', type=int, default=60,
-                      help='recovery fine-tune steps per converted model; 0: none')
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument(
+      '--captions',
+      help='five caption files, comma-separated (line i of each '
+      'describes image i); default: Multi30k task 2 test from the data dir',
+  )
+  parser.add_argument(
+      '--key_dims',
+      default='384,256,192,128,96,64,48,32',
+      help='total query/key widths D~k, comma-separated',
+  )
+  parser.add_argument(
+      '--finetune_steps',
+      type=int,
+      default=60,
+      help='recovery fine-tune steps per converted model; 0: none',
+  )
   parser.add_argument('--batch_size', type=int, default=32, help='fine-tune sentences per step')
   parser.add_argument('--learning_rate', type=float, default=1e-4)
   parser.add_argument('--out', default=str(DEFAULT_OUT), help='results directory')
-  parser.add_argument('--smoke', action='store_true',
-                      help='a minute-long end-to-end check: 40 captions per file, key width 64, '
-                           '3 fine-tune steps')
+  parser.add_argument(
+      '--smoke',
+      action='store_true',
+      help='a minute-long end-to-end check: 40 captions per file, key width 64, '
+      '3 fine-tune steps',
+  )
   args = parser.parse_args(argv)
   args.key_dims = [int(k) for k in args.key_dims.split(',')]
   if args.smoke:
@@ -85,8 +99,11 @@ def parse_args(argv=None):
 def data_file(relpath: str) -> pathlib.Path:
   """A raw Multi30k file from $LOWRANK_ATTN_DATA (or its public URL), checksum verified."""
   local = raw_files.resolve_local_data_dir(None)
-  path = raw_files.fetch(raw_files.multi30k_file(relpath), local_dir=local,
-                         download_dir=pathlib.Path.home() / '.cache' / 'lowrank_attn')
+  path = raw_files.fetch(
+      raw_files.multi30k_file(relpath),
+      local_dir=local,
+      download_dir=pathlib.Path.home() / '.cache' / 'lowrank_attn',
+  )
   if path is None:
     raise FileNotFoundError(f'{relpath} is not in the data directory {local}.')
   return path
@@ -101,20 +118,24 @@ def read_lines(path) -> list[str]:
 def read_captions(paths) -> list[list[str]]:
   """Five parallel caption files; ValueError for another count or unequal lengths."""
   if len(paths) != 5:
-    raise ValueError(f'--captions needs 5 files (five captions of each image), got {len(paths)}: '
-                     f'{paths}.')
+    raise ValueError(
+        f'--captions needs 5 files (five captions of each image), got {len(paths)}: ' f'{paths}.'
+    )
   captions = [read_lines(path) for path in paths]
   lengths = {str(path): len(lines) for path, lines in zip(paths, captions)}
   if len(set(lengths.values())) != 1:
-    raise ValueError(f'--captions files must have one line per image, the same number each; '
-                     f'got {lengths}.')
+    raise ValueError(
+        f'--captions files must have one line per image, the same number each; ' f'got {lengths}.'
+    )
   return captions
 
 
 def token_ids(tokenizer: WordPieceTokenizer, sentences, max_length: int) -> list[list[int]]:
   """`[CLS] wordpieces [SEP]` per sentence, cut to max_length (as sentence-transformers)."""
-  return [[tokenizer.bos_id, *tokenizer.encode(s)[:max_length - 2], tokenizer.eos_id]
-          for s in sentences]
+  return [
+      [tokenizer.bos_id, *tokenizer.encode(s)[: max_length - 2], tokenizer.eos_id]
+      for s in sentences
+  ]
 
 
 def padded(rows: list[list[int]], rows_per_batch: int) -> np.ndarray:
@@ -123,7 +144,7 @@ def padded(rows: list[list[int]], rows_per_batch: int) -> np.ndarray:
   length = next(b for b in BUCKETS if b >= max(len(r) for r in rows))
   out = np.zeros((rows_per_batch, length), np.int32)
   for i, row in enumerate(rows):
-    out[i, :len(row)] = row
+    out[i, : len(row)] = row
   return out
 
 
@@ -162,24 +183,25 @@ def embed(model, pooling, ids: list[list[int]]) -> np.ndarray:
   order = np.argsort([len(row) for row in ids], kind='stable')
   out = np.zeros((len(ids), model.cfg.emb_dim), np.float32)
   for start in range(0, len(ids), EVAL_BATCH):
-    chosen = order[start:start + EVAL_BATCH]
+    chosen = order[start : start + EVAL_BATCH]
     batch = padded([ids[i] for i in chosen], EVAL_BATCH)
-    out[chosen] = np.asarray(_embed_batch(graphdef, state, batch, pooling))[:len(chosen)]
+    out[chosen] = np.asarray(_embed_batch(graphdef, state, batch, pooling))[: len(chosen)]
   return out
 
 
 def attention_cost(model, length: int) -> dict[str, float]:
   """Parameters of all attention layers and their forward MFLOPs for one sentence."""
   layers = model.attention_layers()['encoder']
-  return {'attention_params': sum(layer.spec.num_params() for layer in layers),
-          'attention_mflops': sum(layer.spec.flops(1, length) for layer in layers) / 1e6}
+  return {
+      'attention_params': sum(layer.spec.num_params() for layer in layers),
+      'attention_mflops': sum(layer.spec.flops(1, length) for layer in layers) / 1e6,
+  }
 
 
 # ------------------------------------------------------------------------------- fine-tune
 
 
-def distill(model, pooling, train_ids, teacher, *, steps, batch_size, learning_rate,
-            freeze_mixing):
+def distill(model, pooling, train_ids, teacher, *, steps, batch_size, learning_rate, freeze_mixing):
   """`steps` AdamW steps making `model`'s sentence embeddings those of the teacher (in place).
 
   Loss: mean squared distance of the normalised embeddings (2 - 2 cos). Batches are drawn in
@@ -189,16 +211,19 @@ def distill(model, pooling, train_ids, teacher, *, steps, batch_size, learning_r
   params = nnx.to_pure_dict(state)
   labels = jax.tree_util.tree_map_with_path(
       lambda path, _: 'frozen' if freeze_mixing and str(path[-1].key) == 'mixing' else 'train',
-      params)
+      params,
+  )
   schedule = optax.linear_schedule(0.0, learning_rate, max(steps // 10, 1))
-  tx = optax.multi_transform({'train': optax.adamw(schedule, weight_decay=0.0),
-                              'frozen': optax.set_to_zero()}, labels)
+  tx = optax.multi_transform(
+      {'train': optax.adamw(schedule, weight_decay=0.0), 'frozen': optax.set_to_zero()}, labels
+  )
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, batch, targets):
     def loss_fn(params):
       student = bert.sentence_embeddings(nnx.merge(graphdef, params), batch, pooling)
       return jnp.mean(jnp.sum((student - targets) ** 2, axis=-1))
+
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -244,8 +269,9 @@ def main(argv=None):
   args = parse_args(argv)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  caption_paths = (args.captions.split(',') if args.captions
-                   else [data_file(f) for f in CAPTION_FILES])
+  caption_paths = (
+      args.captions.split(',') if args.captions else [data_file(f) for f in CAPTION_FILES]
+  )
   captions = read_captions(caption_paths)
   if args.smoke:
     captions = [lines[:40] for lines in captions]
@@ -271,22 +297,36 @@ def main(argv=None):
   def record(method, key_dim, finetuned, model, errors, started, **extra):
     embeddings = embed(model, pooling, [row for ids in caption_ids for row in ids])
     metrics = retrieval_metrics(np.split(embeddings, len(caption_ids)))
-    entry = {'method': method, 'key_dim': key_dim, 'finetuned': finetuned, **metrics,
-             **attention_cost(model, mean_length),
-             'mean_relative_error': float(np.mean(list(errors.values()))) if errors else 0.0,
-             'relative_errors': errors, 'seconds': round(time.time() - started, 1), **extra}
+    entry = {
+        'method': method,
+        'key_dim': key_dim,
+        'finetuned': finetuned,
+        **metrics,
+        **attention_cost(model, mean_length),
+        'mean_relative_error': float(np.mean(list(errors.values()))) if errors else 0.0,
+        'relative_errors': errors,
+        'seconds': round(time.time() - started, 1),
+        **extra,
+    }
     results.append(entry)
     save_results(out, results)
-    print(f"{method:24s} D~k={key_dim:4d} finetuned={finetuned!s:5s} recall@1 "
-          f"{entry['recall_at_1']:.4f}  MRR {entry['mrr']:.4f}  error "
-          f"{entry['mean_relative_error']:.3f}  ({entry['seconds']:.0f} s)", flush=True)
+    print(
+        f'{method:24s} D~k={key_dim:4d} finetuned={finetuned!s:5s} recall@1 '
+        f"{entry['recall_at_1']:.4f}  MRR {entry['mrr']:.4f}  error "
+        f"{entry['mean_relative_error']:.3f}  ({entry['seconds']:.0f} s)",
+        flush=True,
+    )
 
   if ('original', original.cfg.emb_dim, False) not in done:
     record('original', original.cfg.emb_dim, False, original, {}, time.time())
   for key_dim in args.key_dims:
     for method in METHODS:
-      todo = [f for f in (False, True) if (method, key_dim, f) not in done
-              and (not f or args.finetune_steps and key_dim < original.cfg.emb_dim)]
+      todo = [
+          f
+          for f in (False, True)
+          if (method, key_dim, f) not in done
+          and (not f or args.finetune_steps and key_dim < original.cfg.emb_dim)
+      ]
       if not todo:
         continue
       started = time.time()
@@ -295,43 +335,89 @@ def main(argv=None):
         record(method, key_dim, False, converted.model, converted.relative_errors, started)
       if True in todo:
         started = time.time()
-        first, last = distill(converted.model, pooling, train_ids, teacher,
-                              steps=args.finetune_steps, batch_size=args.batch_size,
-                              learning_rate=args.learning_rate,
-                              freeze_mixing=method == 'per_head_svd')
-        record(method, key_dim, True, converted.model, converted.relative_errors, started,
-               finetune_steps=args.finetune_steps, distill_loss_first=first,
-               distill_loss_last=last)
+        first, last = distill(
+            converted.model,
+            pooling,
+            train_ids,
+            teacher,
+            steps=args.finetune_steps,
+            batch_size=args.batch_size,
+            learning_rate=args.learning_rate,
+            freeze_mixing=method == 'per_head_svd',
+        )
+        record(
+            method,
+            key_dim,
+            True,
+            converted.model,
+            converted.relative_errors,
+            started,
+            finetune_steps=args.finetune_steps,
+            distill_loss_first=first,
+            distill_loss_last=last,
+        )
   report(results, out, args)
 
 
 def report(results: list[dict], out: pathlib.Path, args) -> None:
   """Table and plot from results.json; the README section when writing the default results."""
-  rows = sorted(results, key=lambda r: (-r['key_dim'], r['method'] != 'original', r['method'],
-                                        r['finetuned']))
-  table = runner.markdown_table(rows, [
-      ('method', 'method'), ('D~k', 'key_dim'),
-      ('fine-tuned', lambda r: 'yes' if r['finetuned'] else ''),
-      ('recall@1', lambda r: f"{r['recall_at_1']:.3f}"), ('MRR', lambda r: f"{r['mrr']:.3f}"),
-      ('mean error', lambda r: f"{r['mean_relative_error']:.3f}"),
-      ('attention params', lambda r: f"{r['attention_params']:,}"),
-      ('attention MFLOPs', lambda r: f"{r['attention_mflops']:.1f}")])
+  rows = sorted(
+      results, key=lambda r: (-r['key_dim'], r['method'] != 'original', r['method'], r['finetuned'])
+  )
+  table = runner.markdown_table(
+      rows,
+      [
+          ('method', 'method'),
+          ('D~k', 'key_dim'),
+          ('fine-tuned', lambda r: 'yes' if r['finetuned'] else ''),
+          ('recall@1', lambda r: f"{r['recall_at_1']:.3f}"),
+          ('MRR', lambda r: f"{r['mrr']:.3f}"),
+          ('mean error', lambda r: f"{r['mean_relative_error']:.3f}"),
+          ('attention params', lambda r: f"{r['attention_params']:,}"),
+          ('attention MFLOPs', lambda r: f"{r['attention_mflops']:.1f}"),
+      ],
+  )
   original = [r for r in results if r['method'] == 'original']
-  lines = [r | {'line': r['method'] + (' + fine-tune' if r['finetuned'] else '')}
-           for r in results if r['method'] != 'original']
+  lines = [
+      r | {'line': r['method'] + (' + fine-tune' if r['finetuned'] else '')}
+      for r in results
+      if r['method'] != 'original'
+  ]
   if original:  # every method starts from the original at full width
-    lines += [original[0] | {'line': m + (' + fine-tune' if f else '')}
-              for m in METHODS for f in (False, True)
-              if any(r['line'] == m + (' + fine-tune' if f else '') for r in lines)]
-  runner.plot_lines(lines, x='key_dim', y='recall_at_1', group='line', spread=None, logx=True,
-                    out=out / 'recall_at_1.png', xlabel='key width D~k',
-                    ylabel='recall@1 (Multi30k task 2)',
-                    title='all-MiniLM-L6-v2 re-parametrized')
+    lines += [
+        original[0] | {'line': m + (' + fine-tune' if f else '')}
+        for m in METHODS
+        for f in (False, True)
+        if any(r['line'] == m + (' + fine-tune' if f else '') for r in lines)
+    ]
+  runner.plot_lines(
+      lines,
+      x='key_dim',
+      y='recall_at_1',
+      group='line',
+      spread=None,
+      logx=True,
+      out=out / 'recall_at_1.png',
+      xlabel='key width D~k',
+      ylabel='recall@1 (Multi30k task 2)',
+      title='all-MiniLM-L6-v2 re-parametrized',
+  )
   (out / 'results.md').write_text(table)
   if out.resolve() == DEFAULT_OUT.resolve() and not args.smoke:
-    runner.write_section(HERE / 'README.md', 'minilm', '\n'.join([
-        f'Fine-tune: {args.finetune_steps} steps of {args.batch_size} sentences, learning '
-        f'rate {args.learning_rate}.', '', table, '', '![recall@1](minilm/recall_at_1.png)']))
+    runner.write_section(
+        HERE / 'README.md',
+        'minilm',
+        '\n'.join(
+            [
+                f'Fine-tune: {args.finetune_steps} steps of {args.batch_size} sentences, learning '
+                f'rate {args.learning_rate}.',
+                '',
+                table,
+                '',
+                '![recall@1](minilm/recall_at_1.png)',
+            ]
+        ),
+    )
 
 
 if __name__ == '__main__':

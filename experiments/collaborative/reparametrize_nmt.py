@@ -28,22 +28,34 @@ from lowrank_attn.runs import RunDir, with_overrides
 HERE = pathlib.Path(__file__).resolve().parent
 METHODS = ('collaborative', 'collaborative_rescaled', 'per_head_svd')
 # One step that changes nothing: the run's final evaluation then scores the model it starts from.
-EVALUATE_ONLY = {'num_train_steps': 1, 'learning_rate': 0.0, 'warmup_steps': 0,
-                 'checkpoint_every_steps': 1, 'eval_every_steps': 0, 'decode.num_examples': 0}
+EVALUATE_ONLY = {
+    'num_train_steps': 1,
+    'learning_rate': 0.0,
+    'warmup_steps': 0,
+    'checkpoint_every_steps': 1,
+    'eval_every_steps': 0,
+    'decode.num_examples': 0,
+}
 
 
 def arguments():
   parser = runner.arg_parser(__doc__, 'collaborative_nmt')
   parser.add_argument('--source', default='/work/runs/multi30k/base', help='a trained nmt run')
-  parser.add_argument('--config', default='configs/nmt.py:multi30k',
-                      help='the config file the source run was trained with')
+  parser.add_argument(
+      '--config',
+      default='configs/nmt.py:multi30k',
+      help='the config file the source run was trained with',
+  )
   parser.add_argument('--key_dims', default='128,64,32')
   parser.add_argument('--types', default='encoder,decoder', help='attention types to convert')
   parser.add_argument('--finetune_steps', type=int, default=300)
   parser.add_argument('--learning_rate', type=float, default=5e-4)
-  parser.add_argument('--smoke', action='store_true',
-                      help='collaborative at D~k=128 only, a 2-step fine-tune, greedy decoding '
-                           'of at most 8 tokens; results under --runs_dir')
+  parser.add_argument(
+      '--smoke',
+      action='store_true',
+      help='collaborative at D~k=128 only, a 2-step fine-tune, greedy decoding '
+      'of at most 8 tokens; results under --runs_dir',
+  )
   args = parser.parse_args()
   args.key_dims = [int(k) for k in args.key_dims.split(',')]
   args.types = args.types.split(',')
@@ -70,20 +82,38 @@ def main():
   common = {**data, **args.decode}
 
   def run(name, fields, **config):
-    train = runner.train_run(name, args.config, seed=source_config.seed,
-                             overrides={**common, **fields})
+    train = runner.train_run(
+        name, args.config, seed=source_config.seed, overrides={**common, **fields}
+    )
     return runner.Run(name, train.command, config={**config, **train.config}, seed=train.seed)
 
-  tune = {'num_train_steps': args.finetune_steps, 'learning_rate': args.learning_rate,
-          'warmup_steps': max(args.finetune_steps // 10, 1), 'lr_schedule': 'cosine',
-          'checkpoint_every_steps': max(args.finetune_steps // 3, 1), 'eval_every_steps': 0,
-          'decode.num_examples': 0}
+  tune = {
+      'num_train_steps': args.finetune_steps,
+      'learning_rate': args.learning_rate,
+      'warmup_steps': max(args.finetune_steps // 10, 1),
+      'lr_schedule': 'cosine',
+      'checkpoint_every_steps': max(args.finetune_steps // 3, 1),
+      'eval_every_steps': 0,
+      'decode.num_examples': 0,
+  }
   width = source_model.cfg.emb_dim
   # The original fine-tuned the same way is the control: what the extra steps do on their own.
-  runs = [run('original', {**EVALUATE_ONLY, 'init_from': source.path}, method='original',
-              key_dim=width, finetuned=False),
-          run('original-ft', {**tune, 'init_from': source.path}, method='original',
-              key_dim=width, finetuned=True)]
+  runs = [
+      run(
+          'original',
+          {**EVALUATE_ONLY, 'init_from': source.path},
+          method='original',
+          key_dim=width,
+          finetuned=False,
+      ),
+      run(
+          'original-ft',
+          {**tune, 'init_from': source.path},
+          method='original',
+          key_dim=width,
+          finetuned=True,
+      ),
+  ]
   errors = {}
   for key_dim in args.key_dims:
     for method in args.methods:
@@ -91,21 +121,33 @@ def main():
       directory = converted_dir / name
       if not (directory / 'conversion.json').exists():
         print(f'converting: {name}', flush=True)
-        write_run(convert(source_model, method, key_dim, args.types), directory,
-                  with_overrides(source_config, data))
+        write_run(
+            convert(source_model, method, key_dim, args.types),
+            directory,
+            with_overrides(source_config, data),
+        )
       conversion = json.loads((directory / 'conversion.json').read_text())
       errors[name] = conversion['relative_errors']
       fields = {**conversion['overrides'], 'init_from': str(directory)}
-      runs.append(run(name, {**EVALUATE_ONLY, **fields}, method=method, key_dim=key_dim,
-                      finetuned=False))
+      runs.append(
+          run(name, {**EVALUATE_ONLY, **fields}, method=method, key_dim=key_dim, finetuned=False)
+      )
       frozen = {'trainable': '^(?!.*mixing)'} if method == 'per_head_svd' else {}
-      runs.append(run(f'{name}-ft', {**fields, **tune, **frozen}, method=method,
-                      key_dim=key_dim, finetuned=True))
+      runs.append(
+          run(
+              f'{name}-ft',
+              {**fields, **tune, **frozen},
+              method=method,
+              key_dim=key_dim,
+              finetuned=True,
+          )
+      )
   if args.plot_only:
     results = runner.load_results(args.out)
   else:
-    results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel,
-                              refresh=args.refresh)
+    results = runner.run_grid(
+        runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
+    )
   report(results, errors, args)
 
 
@@ -122,21 +164,36 @@ def report(results, errors, args) -> None:
     if name in errors:
       row['mean_error'] = sum(errors[name].values()) / len(errors[name])
   cell = lambda key, digits=2: lambda r: '' if r.get(key) is None else f'{r[key]:.{digits}f}'
-  table = runner.markdown_table(list(rows.values()), [
-      ('method', 'method'), ('D~k', 'key_dim'),
-      ('mean error', lambda r: f"{r['mean_error']:.3f}" if 'mean_error' in r else ''),
-      ('BLEU test, converted', cell('test_before')), ('fine-tuned', cell('test_after')),
-      ('BLEU validation, converted', cell('validation_before')),
-      ('fine-tuned ', cell('validation_after')),
-      ('validation loss, converted', cell('loss_before', 3)),
-      ('fine-tuned  ', cell('loss_after', 3))])
+  table = runner.markdown_table(
+      list(rows.values()),
+      [
+          ('method', 'method'),
+          ('D~k', 'key_dim'),
+          ('mean error', lambda r: f"{r['mean_error']:.3f}" if 'mean_error' in r else ''),
+          ('BLEU test, converted', cell('test_before')),
+          ('fine-tuned', cell('test_after')),
+          ('BLEU validation, converted', cell('validation_before')),
+          ('fine-tuned ', cell('validation_after')),
+          ('validation loss, converted', cell('loss_before', 3)),
+          ('fine-tuned  ', cell('loss_after', 3)),
+      ],
+  )
   (args.out / 'results.md').write_text(table)
   print(table)
   if not args.smoke:
-    runner.write_section(HERE / 'README.md', 'nmt', '\n'.join([
-        f'Source {args.source}; converted types {args.types}; fine-tune {args.finetune_steps} '
-        f'steps at peak learning rate {args.learning_rate}. ' + runner.runs_summary(results),
-        '', table]))
+    runner.write_section(
+        HERE / 'README.md',
+        'nmt',
+        '\n'.join(
+            [
+                f'Source {args.source}; converted types {args.types}; fine-tune {args.finetune_steps} '
+                f'steps at peak learning rate {args.learning_rate}. '
+                + runner.runs_summary(results),
+                '',
+                table,
+            ]
+        ),
+    )
 
 
 if __name__ == '__main__':

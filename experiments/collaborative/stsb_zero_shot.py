@@ -37,8 +37,9 @@ RESULTS = 'stsb_zero_shot.json'
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument('--key_dims', default='384,256,192,128,96,64,48')
   parser.add_argument('--out', default=str(DEFAULT_OUT))
   args = parser.parse_args(argv)
@@ -61,22 +62,36 @@ def main(argv=None):
         converted = convert(original, method, key_dim)
         model, errors = converted.model, converted.relative_errors
       metrics = stsb_zero_shot(tfds_data_dir, model)
-      results.append({'method': method, 'key_dim': key_dim, **metrics,
-                      'mean_relative_error': float(np.mean(list(errors.values()))) if errors
-                      else 0.0, 'seconds': round(time.time() - started, 1)})
+      results.append(
+          {
+              'method': method,
+              'key_dim': key_dim,
+              **metrics,
+              'mean_relative_error': float(np.mean(list(errors.values()))) if errors else 0.0,
+              'seconds': round(time.time() - started, 1),
+          }
+      )
       runs.write_atomic(path, json.dumps(results, indent=1) + '\n')
-      print(f'{method:24s} D~k={key_dim:4d} Spearman {metrics["spearman"]:.2f} Pearson '
-            f'{metrics["pearson"]:.2f} ({results[-1]["seconds"]:.0f} s)', flush=True)
+      print(
+          f'{method:24s} D~k={key_dim:4d} Spearman {metrics["spearman"]:.2f} Pearson '
+          f'{metrics["pearson"]:.2f} ({results[-1]["seconds"]:.0f} s)',
+          flush=True,
+      )
   report(results, out)
 
 
 def report(results, out: pathlib.Path) -> None:
   rows = sorted(results, key=lambda r: (-r['key_dim'], r['method'] != 'original', r['method']))
-  table = runner.markdown_table(rows, [
-      ('method', 'method'), ('D~k', 'key_dim'),
-      ('STS-B dev Spearman', lambda r: f"{r['spearman']:.2f}"),
-      ('Pearson', lambda r: f"{r['pearson']:.2f}"),
-      ('mean error', lambda r: f"{r['mean_relative_error']:.3f}")])
+  table = runner.markdown_table(
+      rows,
+      [
+          ('method', 'method'),
+          ('D~k', 'key_dim'),
+          ('STS-B dev Spearman', lambda r: f"{r['spearman']:.2f}"),
+          ('Pearson', lambda r: f"{r['pearson']:.2f}"),
+          ('mean error', lambda r: f"{r['mean_relative_error']:.3f}"),
+      ],
+  )
   (out / RESULTS.replace('.json', '.md')).write_text(table)
   if out.resolve() == DEFAULT_OUT.resolve():
     runner.write_section(HERE / 'README.md', 'stsb_zero_shot', table)

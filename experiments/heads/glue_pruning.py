@@ -93,8 +93,12 @@ ANALYSIS_FILE = 'pruning.json'
 ANALYSIS_PREDICTIONS = 'predictions.json'
 GATES_FILE = 'gates.json'
 # glue_reparam's smoke budget, so that a shared --runs_dir shares the smoke fine-tunes too.
-SMOKE_BUDGET = {'num_train_steps': 4, 'warmup_steps': 1, 'checkpoint_every_steps': 2,
-                'data.max_length': 32}
+SMOKE_BUDGET = {
+    'num_train_steps': 4,
+    'warmup_steps': 1,
+    'checkpoint_every_steps': 2,
+    'data.max_length': 32,
+}
 
 
 def get_config(run_dir: str):
@@ -102,6 +106,7 @@ def get_config(run_dir: str):
   fine-tunes a pruned run with exactly its config (its per-layer head counts cannot be
   written as command-line overrides)."""
   from lowrank_attn.runs import RunDir  # pylint: disable=g-import-not-at-top
+
   return RunDir(run_dir).config
 
 
@@ -173,14 +178,16 @@ def dev_predictions(model, batches, keep: np.ndarray | None = None):
   global _PREDICT
   from flax import nnx  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
   if _PREDICT is None:
     _PREDICT = _predict_fn()
   graphdef, params = nnx.split(model, nnx.Param)
   masks = None if keep is None else {'encoder': jnp.asarray(keep, jnp.float32)}
   predictions, labels = [], []
   for batch in batches:
-    out = np.asarray(_PREDICT(graphdef, params, {k: jnp.asarray(v) for k, v in batch.items()},
-                              masks))
+    out = np.asarray(
+        _PREDICT(graphdef, params, {k: jnp.asarray(v) for k, v in batch.items()}, masks)
+    )
     real = np.asarray(batch['weights']) > 0
     predictions.append(out[real])
     labels.append(np.asarray(batch['targets'])[real])
@@ -206,8 +213,9 @@ def first_examples(batches, count: int) -> list[dict]:
 
 def load_roles(path) -> dict[tuple[int, int], list[str]]:
   """{(layer, head): role labels} of `experiments.heads.roles`' roles.json."""
-  return {(e['layer'], e['head']): list(e['roles'])
-          for e in json.loads(pathlib.Path(path).read_text())}
+  return {
+      (e['layer'], e['head']): list(e['roles']) for e in json.loads(pathlib.Path(path).read_text())
+  }
 
 
 def role_kind(label: str) -> str:
@@ -219,25 +227,37 @@ def upper_tail(total: int, marked: int, drawn: int, hits: int) -> float:
   """P(X >= hits), X hypergeometric: `drawn` of `total` heads kept at random, `marked` of
   them with a role."""
   denominator = math.comb(total, drawn)
-  return sum(math.comb(marked, x) * math.comb(total - marked, drawn - x)
-             for x in range(hits, min(marked, drawn) + 1)) / denominator
+  return (
+      sum(
+          math.comb(marked, x) * math.comb(total - marked, drawn - x)
+          for x in range(hits, min(marked, drawn) + 1)
+      )
+      / denominator
+  )
 
 
-def role_shares(keep: np.ndarray, roles: dict, kinds=('any', 'positional', 'syntactic',
-                                                      'rare')) -> dict:
+def role_shares(
+    keep: np.ndarray, roles: dict, kinds=('any', 'positional', 'syntactic', 'rare')
+) -> dict:
   """Per kind of role: role heads among the survivors of `keep` against among all heads,
   and the chance of at least as many under random survival (hypergeometric)."""
   keep = np.asarray(keep, bool)
   total, kept = keep.size, int(keep.sum())
   out = {'heads': total, 'kept': kept}
   for kind in kinds:
-    marked = {h for h, labels in roles.items()
-              if labels and (kind == 'any' or any(role_kind(l) == kind for l in labels))}
+    marked = {
+        h
+        for h, labels in roles.items()
+        if labels and (kind == 'any' or any(role_kind(l) == kind for l in labels))
+    }
     hits = sum(bool(keep[h]) for h in marked)
-    out[kind] = {'role_heads': len(marked), 'kept': hits,
-                 'share_kept': hits / kept if kept else None,
-                 'share_all': len(marked) / total,
-                 'p_at_least': upper_tail(total, len(marked), kept, hits)}
+    out[kind] = {
+        'role_heads': len(marked),
+        'kept': hits,
+        'share_kept': hits / kept if kept else None,
+        'share_all': len(marked) / total,
+        'p_at_least': upper_tail(total, len(marked), kept, hits),
+    }
   return out
 
 
@@ -264,14 +284,20 @@ def analyse(argv) -> None:
   from lowrank_attn import analysis, pruning, tasks  # pylint: disable=g-import-not-at-top
   from lowrank_attn.runs import RunDir  # pylint: disable=g-import-not-at-top
   from lowrank_attn.tasks.glue import glue_metrics, glue_task  # pylint: disable=g-import-not-at-top
+
   out = pathlib.Path(args.out)
   run = RunDir(args.run)
   step = run.check_step()
   model, config = run.model(step), run.config
   task = glue_task(config.data.name)[0]
   pipeline = lambda split, train: tasks.make_pipeline(
-      config.data, split=split, seed=config.seed, global_batch_size=args.batch_size,
-      train=train, workdir=run.path)
+      config.data,
+      split=split,
+      seed=config.seed,
+      global_batch_size=args.batch_size,
+      train=train,
+      workdir=run.path,
+  )
   # Training examples in a shuffled order (the dev set only scores the pruned models).
   train_batches = first_examples(pipeline('train', True), args.importance_examples)
   importance = analysis.head_importance(model, train_batches, normalize_layers=True)['encoder']
@@ -288,19 +314,32 @@ def analyse(argv) -> None:
     predictions[name] = predicted.tolist()
     predictions.setdefault('labels', labels.tolist())
     metrics = glue_metrics(task, predicted, labels)
-    return {'name': name, 'method': method, 'seed': seed, 'level': level, 'removed': removed,
-            'heads_kept': int(keep.sum()), 'score': metrics['score'], 'metrics': metrics,
-            'keep': keep.astype(int).tolist()}
+    return {
+        'name': name,
+        'method': method,
+        'seed': seed,
+        'level': level,
+        'removed': removed,
+        'heads_kept': int(keep.sum()),
+        'score': metrics['score'],
+        'metrics': metrics,
+        'keep': keep.astype(int).tolist(),
+    }
 
   michel = importance_order(importance)
-  orders = {('michel', None): michel, **{('random', s): random_order(s, shape)
-                                         for s in random_seeds}}
+  orders = {
+      ('michel', None): michel,
+      **{('random', s): random_order(s, shape) for s in random_seeds},
+  }
   points = []
   for (method, seed), order in orders.items():
     for level, removed in zip(levels, removal_counts(levels, int(np.prod(shape)))):
       points.append(point(method, order, level, removed, seed))
-      print(f'{task} {points[-1]["name"]}: {points[-1]["heads_kept"]} heads, dev '
-            f'{points[-1]["score"]:.2f}', flush=True)
+      print(
+          f'{task} {points[-1]["name"]}: {points[-1]["heads_kept"]} heads, dev '
+          f'{points[-1]["score"]:.2f}',
+          flush=True,
+      )
 
   finetune = {}
   total = int(np.prod(shape))
@@ -315,30 +354,47 @@ def analyse(argv) -> None:
         shutil.rmtree(directory)
       keep = {'encoder': keep_after(order, removed, shape)}
       overrides = pruning.prune_run(run.path, keep, directory, step=step)
-      finetune[name] = {'dir': str(directory), 'method': method, 'seed': seed, 'level': level,
-                        'removed': removed, 'heads_kept': total - removed,
-                        'overrides': overrides}
+      finetune[name] = {
+          'dir': str(directory),
+          'method': method,
+          'seed': seed,
+          'level': level,
+          'removed': removed,
+          'heads_kept': total - removed,
+          'overrides': overrides,
+      }
 
   recorded = {}
   final = pathlib.Path(run.path, 'final_eval', str(step), 'metrics.json')
   if final.exists():
     recorded = json.loads(final.read_text()).get('validation', {})
   record = {
-      'task': task, 'source': run.path, 'source_step': step,
+      'task': task,
+      'source': run.path,
+      'source_step': step,
       'importance_examples': sum(int((b['weights'] > 0).sum()) for b in train_batches),
       'dev_examples': len(predictions['labels']),
-      'importance': np.asarray(importance).tolist(), 'importance_raw': np.asarray(raw).tolist(),
+      'importance': np.asarray(importance).tolist(),
+      'importance_raw': np.asarray(raw).tolist(),
       'michel_order': michel.tolist(),
       # The unmasked model scored here must be the run's own final evaluation.
       'source_final_score': recorded.get('score'),
-      'points': points, 'finetune': finetune}
+      'points': points,
+      'finetune': finetune,
+  }
   out.mkdir(parents=True, exist_ok=True)
   runner.files.write_text(out / ANALYSIS_PREDICTIONS, json.dumps(predictions) + '\n')
   runner.files.write_json(out / ANALYSIS_FILE, record)
   unpruned = next(p for p in points if p['method'] == 'michel' and p['removed'] == 0)
-  runner.files.write_json(out / runner.RESULT_FILE, {
-      'unpruned_score': unpruned['score'], 'source_final_score': recorded.get('score'),
-      'points': len(points), 'finetune': sorted(finetune)})
+  runner.files.write_json(
+      out / runner.RESULT_FILE,
+      {
+          'unpruned_score': unpruned['score'],
+          'source_final_score': recorded.get('score'),
+          'points': len(points),
+          'finetune': sorted(finetune),
+      },
+  )
 
 
 # ------------------------------------------------------------------------------ the grid
@@ -349,10 +405,18 @@ def arguments():
   parser.add_argument('--tasks', default=','.join(DEFAULT_TASKS))
   parser.add_argument('--seeds', default='0')
   parser.add_argument('--lambdas', default=','.join(map(str, LAMBDAS)))
-  parser.add_argument('--gate_learning_rate', type=float, default=GATE_LEARNING_RATE,
-                      help='peak learning rate of the gates (0: the model\'s)')
-  parser.add_argument('--l0_epochs', type=float, default=None,
-                      help="epochs of the L0 fine-tune and its control (default: the config's)")
+  parser.add_argument(
+      '--gate_learning_rate',
+      type=float,
+      default=GATE_LEARNING_RATE,
+      help="peak learning rate of the gates (0: the model's)",
+  )
+  parser.add_argument(
+      '--l0_epochs',
+      type=float,
+      default=None,
+      help="epochs of the L0 fine-tune and its control (default: the config's)",
+  )
   parser.add_argument('--importance_examples', type=int, default=2000)
   parser.add_argument('--levels', default=','.join(f'{x:g}' for x in LEVELS))
   parser.add_argument('--finetune_levels', default='0.3,0.5,0.7')
@@ -360,9 +424,12 @@ def arguments():
   parser.add_argument('--random_seeds', default='0,1,2')
   parser.add_argument('--random_finetune_seeds', default='0')
   parser.add_argument('--roles', default=str(ROLES), help='roles.json of all-MiniLM-L6-v2')
-  parser.add_argument('--smoke', action='store_true',
-                      help='RTE, 4-step fine-tunes at max_length 32, 64 importance examples, '
-                           'levels 0 and 0.5, one lambda; results under --runs_dir')
+  parser.add_argument(
+      '--smoke',
+      action='store_true',
+      help='RTE, 4-step fine-tunes at max_length 32, 64 importance examples, '
+      'levels 0 and 0.5, one lambda; results under --runs_dir',
+  )
   args = parser.parse_args()
   floats = lambda s: [float(x) for x in s.split(',') if x]
   args.tasks = args.tasks.split(',')
@@ -372,8 +439,9 @@ def arguments():
   args.random_seeds = [int(s) for s in args.random_seeds.split(',') if s]
   args.random_finetune_seeds = [int(s) for s in args.random_finetune_seeds.split(',') if s]
   if set(args.tasks) - set(TASKS):
-    parser.error(f'--tasks: {sorted(set(args.tasks) - set(TASKS))} unknown; valid: '
-                 f'{",".join(TASKS)}')
+    parser.error(
+        f'--tasks: {sorted(set(args.tasks) - set(TASKS))} unknown; valid: ' f'{",".join(TASKS)}'
+    )
   if set(args.finetune_levels) - set(args.levels):
     parser.error(f'--finetune_levels {args.finetune_levels} must be among --levels')
   if set(args.random_finetune_seeds) - set(args.random_seeds):
@@ -392,9 +460,13 @@ def arguments():
 def epochs_budget(task: str, epochs: float) -> dict:
   """The step counts of `epochs` of `task` at the recipe's batch (warmup 10%, as the config)."""
   import configs.glue  # pylint: disable=g-import-not-at-top
+
   steps = math.ceil(epochs * configs.glue.TASKS[task][0] / configs.glue.BATCH)
-  return {'num_train_steps': steps, 'warmup_steps': steps // 10,
-          'checkpoint_every_steps': max(steps // 3, 1)}
+  return {
+      'num_train_steps': steps,
+      'warmup_steps': steps // 10,
+      'checkpoint_every_steps': max(steps // 3, 1),
+  }
 
 
 def gate_overrides(args) -> dict:
@@ -408,18 +480,25 @@ def keep_gates(results, args) -> dict:
   survive). Called after the grid: reading a model starts JAX's threads, and the grid forks."""
   from lowrank_attn import pruning  # pylint: disable=g-import-not-at-top
   from lowrank_attn.runs import RunDir  # pylint: disable=g-import-not-at-top
+
   path = args.out / GATES_FILE
   gates = runner.files.read_json(path) or {}
   for entry in results['runs']:
     rundir = pathlib.Path(results['runs_dir'], entry['name'])
-    if (entry.get('config', {}).get('method') != 'l0' or entry['name'] in gates
-        or not RunDir(rundir).steps()):
+    if (
+        entry.get('config', {}).get('method') != 'l0'
+        or entry['name'] in gates
+        or not RunDir(rundir).steps()
+    ):
       continue
     model = RunDir(rundir).model()
     keep = np.asarray(pruning.keep_from_gates(model)['encoder'])
     values = np.stack([np.asarray(a.gate_values()) for a in model.attention_layers()['encoder']])
-    gates[entry['name']] = {'keep': keep.astype(int).tolist(), 'heads_kept': int(keep.sum()),
-                            'gates': np.round(values.astype(np.float64), 4).tolist()}
+    gates[entry['name']] = {
+        'keep': keep.astype(int).tolist(),
+        'heads_kept': int(keep.sum()),
+        'gates': np.round(values.astype(np.float64), 4).tolist(),
+    }
   runner.files.write_json(path, gates)
   return gates
 
@@ -433,8 +512,9 @@ def main():
     return report(runner.load_results(args.out), args)
 
   def run(name, task, seed, overrides, config='configs/glue.py:{task}', **record):
-    train = runner.train_run(name, config.format(task=task), seed=seed,
-                             overrides={**overrides, **args.budget})
+    train = runner.train_run(
+        name, config.format(task=task), seed=seed, overrides={**overrides, **args.budget}
+    )
     return dataclasses.replace(train, config={'task': task, **record, **train.config})
 
   # 1. The fine-tuned originals (glue_reparam's runs: same names and commands).
@@ -452,15 +532,27 @@ def main():
   analyses = []
   for seed in args.seeds:
     for task in args.tasks:
-      command = [sys.executable, '-m', 'experiments.heads.glue_pruning', 'analyse',
-                 f'--run={sources[task, seed]}', '--out={rundir}',
-                 f'--importance_examples={args.importance_examples}',
-                 f'--levels={",".join(map(str, args.levels))}',
-                 f'--random_seeds={",".join(map(str, args.random_seeds))}',
-                 f'--finetune_levels={",".join(map(str, args.finetune_levels))}',
-                 f'--random_finetune_seeds={",".join(map(str, args.random_finetune_seeds))}']
-      analyses.append(runner.Run(f'{task}-analyse-s{seed}', command, seed=seed,
-                                 config={'task': task, 'method': 'analyse', 'stage': 2}))
+      command = [
+          sys.executable,
+          '-m',
+          'experiments.heads.glue_pruning',
+          'analyse',
+          f'--run={sources[task, seed]}',
+          '--out={rundir}',
+          f'--importance_examples={args.importance_examples}',
+          f'--levels={",".join(map(str, args.levels))}',
+          f'--random_seeds={",".join(map(str, args.random_seeds))}',
+          f'--finetune_levels={",".join(map(str, args.finetune_levels))}',
+          f'--random_finetune_seeds={",".join(map(str, args.random_finetune_seeds))}',
+      ]
+      analyses.append(
+          runner.Run(
+              f'{task}-analyse-s{seed}',
+              command,
+              seed=seed,
+              config={'task': task, 'method': 'analyse', 'stage': 2},
+          )
+      )
   results = grid(first + analyses, args)
   keep_analyses(results, args)
   if not finished(results, analyses):
@@ -474,22 +566,51 @@ def main():
       source = str(sources[task, seed])
       budget = {} if args.l0_epochs is None else epochs_budget(task, args.l0_epochs)
       again = 'original-again' + ('' if args.l0_epochs is None else f'-e{args.l0_epochs:g}')
-      second.append(run(f'{task}-{again}-s{seed}', task, seed, {'init_from': source, **budget},
-                        method='original', stage=2))
+      second.append(
+          run(
+              f'{task}-{again}-s{seed}',
+              task,
+              seed,
+              {'init_from': source, **budget},
+              method='original',
+              stage=2,
+          )
+      )
       for lam in args.lambdas:
-        second.append(run(
-            f'{task}-l0-{lam:g}-s{seed}', task, seed,
-            {'init_from': source, 'model.attention.gated': True,
-             'model.attention.gate_log_alpha_init': 'glorot', 'l0_penalty_weight': lam,
-             **gates, **budget}, method='l0', l0_lambda=lam, stage=2))
+        second.append(
+            run(
+                f'{task}-l0-{lam:g}-s{seed}',
+                task,
+                seed,
+                {
+                    'init_from': source,
+                    'model.attention.gated': True,
+                    'model.attention.gate_log_alpha_init': 'glorot',
+                    'l0_penalty_weight': lam,
+                    **gates,
+                    **budget,
+                },
+                method='l0',
+                l0_lambda=lam,
+                stage=2,
+            )
+        )
       record = json.loads((args.out / ANALYSIS_FILE).read_text())[f'{task}-s{seed}']
       for name, pruned in record['finetune'].items():
-        second.append(run(
-            f'{task}-{name}-ft-s{seed}', task, seed,
-            {'init_from': pruned['dir'], **epochs_budget(task, args.finetune_epochs)},
-            config=f'experiments/heads/glue_pruning.py:{pruned["dir"]}',
-            method=f'{pruned["method"]}+ft', level=pruned['level'],
-            heads_kept=pruned['heads_kept'], random_seed=pruned['seed'], stage=2))
+        second.append(
+            run(
+                f'{task}-{name}-ft-s{seed}',
+                task,
+                seed,
+                {'init_from': pruned['dir'], **epochs_budget(task, args.finetune_epochs)},
+                config=f'experiments/heads/glue_pruning.py:{pruned["dir"]}',
+                method=f'{pruned["method"]}+ft',
+                level=pruned['level'],
+                heads_kept=pruned['heads_kept'],
+                random_seed=pruned['seed'],
+                stage=2,
+            )
+        )
   results = grid(first + analyses + second, args)
   keep_gates(results, args)
   report(results, args)
@@ -502,8 +623,9 @@ def finished(results, runs) -> bool:
 
 
 def grid(runs, args):
-  results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel,
-                            refresh=args.refresh)
+  results = runner.run_grid(
+      runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
+  )
   keep_predictions(results, args)
   return results
 
@@ -516,8 +638,10 @@ def keep_predictions(results, args) -> None:
     path = target / f'{entry["name"]}.json'
     if path.exists():
       continue
-    found = sorted(pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob(
-        f'*/{PREDICTIONS}'), key=lambda p: int(p.parent.name))
+    found = sorted(
+        pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob(f'*/{PREDICTIONS}'),
+        key=lambda p: int(p.parent.name),
+    )
     if found:
       target.mkdir(parents=True, exist_ok=True)
       shutil.copyfile(found[-1], path)
@@ -536,8 +660,9 @@ def keep_analyses(results, args) -> None:
     key = f'{entry["config"]["task"]}-s{entry["seed"]}'
     merged[key] = json.loads((rundir / ANALYSIS_FILE).read_text())
     (args.out / 'predictions').mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(rundir / ANALYSIS_PREDICTIONS,
-                    args.out / 'predictions' / f'{entry["name"]}.json')
+    shutil.copyfile(
+        rundir / ANALYSIS_PREDICTIONS, args.out / 'predictions' / f'{entry["name"]}.json'
+    )
   runner.files.write_json(path, merged)
 
 
@@ -561,6 +686,7 @@ def _interval(task, a_rows, b_rows, args) -> dict | None:
   """B - A of `task`'s score with its 95% paired bootstrap interval over dev examples; the
   rows of each system (seeds) are averaged on each resample. None without predictions."""
   from experiments import stats  # pylint: disable=g-import-not-at-top
+
   a = [p for p in (_predictions(args, r) for r in a_rows) if p]
   b = [p for p in (_predictions(args, r) for r in b_rows) if p]
   if not a or not b:
@@ -578,29 +704,61 @@ def points_of(results, args) -> list[dict]:
     method = row.get('method')
     if 'score' not in row or method == 'analyse':
       continue
-    base = {'task': row['task'], 'seed': row['seed'], 'score': row['score'],
-            'source': (row['name'], None)}
+    base = {
+        'task': row['task'],
+        'seed': row['seed'],
+        'score': row['score'],
+        'source': (row['name'], None),
+    }
     if method == 'original':
-      rows.append({**base, 'method': 'unpruned' if row['stage'] == 1 else 'fine-tuned again',
-                   'heads_kept': 72, 'level': 0.0})
+      rows.append(
+          {
+              **base,
+              'method': 'unpruned' if row['stage'] == 1 else 'fine-tuned again',
+              'heads_kept': 72,
+              'level': 0.0,
+          }
+      )
     elif method == 'l0':
       if row['name'] not in gates:
         continue  # its checkpoint is gone and gates.json does not have it
-      rows.append({**base, 'method': 'L0 gates', 'lambda': row['l0_lambda'],
-                   'heads_kept': gates[row['name']]['heads_kept'],
-                   'keep': gates[row['name']]['keep']})
+      rows.append(
+          {
+              **base,
+              'method': 'L0 gates',
+              'lambda': row['l0_lambda'],
+              'heads_kept': gates[row['name']]['heads_kept'],
+              'keep': gates[row['name']]['keep'],
+          }
+      )
     else:
-      rows.append({**base, 'method': method.replace('michel', 'Michel'), 'level': row['level'],
-                   'random_seed': row.get('random_seed'), 'heads_kept': row['heads_kept']})
+      rows.append(
+          {
+              **base,
+              'method': method.replace('michel', 'Michel'),
+              'level': row['level'],
+              'random_seed': row.get('random_seed'),
+              'heads_kept': row['heads_kept'],
+          }
+      )
   for key, record in analyses.items():
     seed = int(key.rsplit('-s', 1)[1])
     if not any(r['task'] == record['task'] and r['seed'] == seed for r in rows):
       continue  # not in this grid (other tasks or seeds of an earlier invocation)
     for p in record['points']:
-      rows.append({'task': record['task'], 'seed': seed, 'score': p['score'],
-                   'method': 'Michel' if p['method'] == 'michel' else 'random',
-                   'random_seed': p['seed'], 'level': p['level'], 'heads_kept': p['heads_kept'],
-                   'keep': p['keep'], 'source': (f'{record["task"]}-analyse-s{seed}', p['name'])})
+      rows.append(
+          {
+              'task': record['task'],
+              'seed': seed,
+              'score': p['score'],
+              'method': 'Michel' if p['method'] == 'michel' else 'random',
+              'random_seed': p['seed'],
+              'level': p['level'],
+              'heads_kept': p['heads_kept'],
+              'keep': p['keep'],
+              'source': (f'{record["task"]}-analyse-s{seed}', p['name']),
+          }
+      )
   return rows
 
 
@@ -617,8 +775,11 @@ def report(results, args) -> None:
     summary[task] = entry
     sections += [f'#### {task}', '', table, '', f'![{task}]({task}.png)', '', roles_text, '']
   runner.files.write_json(args.out / 'table.json', summary)
-  roles_note = (f'Roles: `{args.roles}`.' if roles is not None else
-                f'Roles: `{args.roles}` does not exist yet; the role columns are left out.')
+  roles_note = (
+      f'Roles: `{args.roles}`.'
+      if roles is not None
+      else f'Roles: `{args.roles}` does not exist yet; the role columns are left out.'
+  )
   text = '\n'.join([runner.runs_summary(results), '', roles_note, '', *sections])
   (args.out / 'results.md').write_text(text + '\n')
   print(text)
@@ -629,6 +790,7 @@ def report(results, args) -> None:
 def task_report(task, rows, roles, args):
   """The table, the roles table and the plot of one task; its numbers for table.json."""
   from experiments import stats  # pylint: disable=g-import-not-at-top
+
   by = lambda **kw: [r for r in rows if all(r.get(k) == v for k, v in kw.items())]
   unpruned = by(method='unpruned')
   lines = []
@@ -637,10 +799,15 @@ def task_report(task, rows, roles, args):
     if not group:
       return
     scores = [r['score'] for r in group]
-    entry = {'method': label, **extra, 'heads_kept': float(np.mean([r['heads_kept']
-                                                                     for r in group])),
-             'score': float(np.mean(scores)), 'min': min(scores), 'max': max(scores),
-             'n': len(group)}
+    entry = {
+        'method': label,
+        **extra,
+        'heads_kept': float(np.mean([r['heads_kept'] for r in group])),
+        'score': float(np.mean(scores)),
+        'min': min(scores),
+        'max': max(scores),
+        'n': len(group),
+    }
     if against and group is not against:
       entry[f'minus_{against_label}'] = _interval(task, against, group, args)
       entry['against'] = against_label
@@ -668,59 +835,113 @@ def task_report(task, rows, roles, args):
       if not done:
         continue
       nearest = min(done, key=lambda k: abs(done[k][0]['heads_kept'] - entry['heads_kept']))
-      entry[f'vs_{label}'] = {'level': nearest, 'heads_kept': done[nearest][0]['heads_kept'],
-                              'difference': _interval(task, done[nearest], group, args)}
+      entry[f'vs_{label}'] = {
+          'level': nearest,
+          'heads_kept': done[nearest][0]['heads_kept'],
+          'difference': _interval(task, done[nearest], group, args),
+      }
 
   interval = lambda d: str(stats.Interval(**d)) if d else ''
-  what = lambda e: (f"λ={e['lambda']:g}" if 'lambda' in e else
-                    f"{round(100 * e['level'])}% removed" if 'level' in e else '')
-  score = lambda e: (f"{e['score']:.2f}" if e['n'] == 1 or e['method'] != 'random' else
-                     f"{e['score']:.2f} ({e['min']:.2f}–{e['max']:.2f})")
-  versus = lambda e, label: (f"{interval(e[f'vs_{label}']['difference'])} "
-                             f"({e[f'vs_{label}']['heads_kept']} heads)"
-                             if e.get(f'vs_{label}') else '')
-  table = runner.markdown_table(lines, [
-      ('method', 'method'), ('pruning', what), ('heads kept', lambda e: f"{e['heads_kept']:g}"),
-      ('dev score', score), ('− unpruned [95%]', lambda e: interval(e.get('minus_unpruned'))),
-      ('L0 − Michel, nearest [95%]', lambda e: versus(e, 'Michel')),
-      ('L0 − Michel+ft, nearest [95%]', lambda e: versus(e, 'Michel+ft')),
-      ('runs', 'n')])
+  what = lambda e: (
+      f"λ={e['lambda']:g}"
+      if 'lambda' in e
+      else f"{round(100 * e['level'])}% removed"
+      if 'level' in e
+      else ''
+  )
+  score = lambda e: (
+      f"{e['score']:.2f}"
+      if e['n'] == 1 or e['method'] != 'random'
+      else f"{e['score']:.2f} ({e['min']:.2f}–{e['max']:.2f})"
+  )
+  versus = lambda e, label: (
+      f"{interval(e[f'vs_{label}']['difference'])} " f"({e[f'vs_{label}']['heads_kept']} heads)"
+      if e.get(f'vs_{label}')
+      else ''
+  )
+  table = runner.markdown_table(
+      lines,
+      [
+          ('method', 'method'),
+          ('pruning', what),
+          ('heads kept', lambda e: f"{e['heads_kept']:g}"),
+          ('dev score', score),
+          ('− unpruned [95%]', lambda e: interval(e.get('minus_unpruned'))),
+          ('L0 − Michel, nearest [95%]', lambda e: versus(e, 'Michel')),
+          ('L0 − Michel+ft, nearest [95%]', lambda e: versus(e, 'Michel+ft')),
+          ('runs', 'n'),
+      ],
+  )
   plot(task, rows, args.out / f'{task}.png')
 
   roles_rows = []
   if roles is not None:
     for lam in l0:
       for r in by(method='L0 gates', **{'lambda': lam}):
-        roles_rows.append({'path': f'L0 λ={lam:g}', 'seed': r['seed'],
-                           **role_shares(np.asarray(r['keep'], bool), roles)})
+        roles_rows.append(
+            {
+                'path': f'L0 λ={lam:g}',
+                'seed': r['seed'],
+                **role_shares(np.asarray(r['keep'], bool), roles),
+            }
+        )
     for level in levels:
       for r in michel[level]:
         if level > 0:
-          roles_rows.append({'path': f'Michel {round(100 * level)}% removed', 'seed': r['seed'],
-                             **role_shares(np.asarray(r['keep'], bool), roles)})
+          roles_rows.append(
+              {
+                  'path': f'Michel {round(100 * level)}% removed',
+                  'seed': r['seed'],
+                  **role_shares(np.asarray(r['keep'], bool), roles),
+              }
+          )
   cell = lambda kind: lambda e: (
       f"{e[kind]['kept']}/{e['kept']} = {100 * (e[kind]['share_kept'] or 0):.0f}% vs "
-      f"{100 * e[kind]['share_all']:.0f}% (p={e[kind]['p_at_least']:.2f})")
-  roles_text = ('Role heads among the survivors vs among all 72 (p: chance of at least as many '
-                'under random survival):\n\n' + runner.markdown_table(
-                    roles_rows, [('path', 'path'), ('seed', 'seed'), ('heads kept', 'kept'),
-                                 *[(f'{k} roles', cell(k))
-                                   for k in ('any', 'positional', 'syntactic', 'rare')]])
-                if roles_rows else '')
+      f"{100 * e[kind]['share_all']:.0f}% (p={e[kind]['p_at_least']:.2f})"
+  )
+  roles_text = (
+      'Role heads among the survivors vs among all 72 (p: chance of at least as many '
+      'under random survival):\n\n'
+      + runner.markdown_table(
+          roles_rows,
+          [
+              ('path', 'path'),
+              ('seed', 'seed'),
+              ('heads kept', 'kept'),
+              *[(f'{k} roles', cell(k)) for k in ('any', 'positional', 'syntactic', 'rare')],
+          ],
+      )
+      if roles_rows
+      else ''
+  )
   return table, roles_text, {'rows': lines, 'roles': roles_rows}
 
 
 def plot(task, rows, out) -> None:
   """Dev score vs heads kept: one line per method, random's band over its order seeds."""
-  labels = {'unpruned': 'unpruned', 'fine-tuned again': 'fine-tuned again (no gates)',
-            'L0 gates': 'L0 gates (whole model)', 'Michel': 'Michel, no fine-tune',
-            'Michel+ft': 'Michel + fine-tune', 'random': 'random, no fine-tune',
-            'random+ft': 'random + fine-tune'}
-  points = [{'method': labels[r['method']], 'heads kept': r['heads_kept'], 'score': r['score']}
-            for r in rows]
-  runner.plot_lines(points, x='heads kept', y='score', group='method', out=out,
-                    spread='minmax', title=f'{task}: pruning all-MiniLM-L6-v2\'s 72 heads',
-                    ylabel='dev score (GLUE, x100)')
+  labels = {
+      'unpruned': 'unpruned',
+      'fine-tuned again': 'fine-tuned again (no gates)',
+      'L0 gates': 'L0 gates (whole model)',
+      'Michel': 'Michel, no fine-tune',
+      'Michel+ft': 'Michel + fine-tune',
+      'random': 'random, no fine-tune',
+      'random+ft': 'random + fine-tune',
+  }
+  points = [
+      {'method': labels[r['method']], 'heads kept': r['heads_kept'], 'score': r['score']}
+      for r in rows
+  ]
+  runner.plot_lines(
+      points,
+      x='heads kept',
+      y='score',
+      group='method',
+      out=out,
+      spread='minmax',
+      title=f"{task}: pruning all-MiniLM-L6-v2's 72 heads",
+      ylabel='dev score (GLUE, x100)',
+  )
 
 
 if __name__ == '__main__':

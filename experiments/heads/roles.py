@@ -37,11 +37,13 @@ def raw_file(relpath: str, download_dir: str | None = None) -> pathlib.Path:
   else:
     entry = raw_files.ud_english_ewt_file(relpath.split('-ud-')[1].removesuffix('.conllu'))
   download_dir = pathlib.Path(download_dir or tempfile.gettempdir()) / 'lowrank_attn_raw'
-  path = raw_files.fetch(entry, local_dir=raw_files.resolve_local_data_dir(None),
-                         download_dir=download_dir)
+  path = raw_files.fetch(
+      entry, local_dir=raw_files.resolve_local_data_dir(None), download_dir=download_dir
+  )
   if path is None:
-    raise ValueError(f'{relpath} is not in the data directory '
-                     f'{raw_files.resolve_local_data_dir(None)}.')
+    raise ValueError(
+        f'{relpath} is not in the data directory ' f'{raw_files.resolve_local_data_dir(None)}.'
+    )
   return path
 
 
@@ -59,12 +61,14 @@ def load_model(name: str):
     from lowrank_attn import models
     from lowrank_attn.data import WordPieceTokenizer
     from lowrank_attn.models import bert
+
     path = minilm.get_model_path()
     with open(path / 'config.json') as f:
       model = models.EncoderMLM(bert.bert_config(json.load(f)), rngs=nnx.Rngs(0))
     bert.load_bert_weights(model, safetensors.numpy.load_file(str(path / 'model.safetensors')))
     return model, WordPieceTokenizer(path / 'vocab.txt')
   from lowrank_attn.runs import RunDir  # pylint: disable=g-import-not-at-top
+
   run = RunDir(name)
   return run.model(), run.tokenizer
 
@@ -85,14 +89,24 @@ def heat_maps(entries: list[dict], baselines: dict, out: pathlib.Path) -> list[s
 
   relations = [k for k in baselines if k != 'rare']
   panels = {
-      'positional': [('previous word', grid(lambda e: e['positional']['prev'])),
-                     ('next word', grid(lambda e: e['positional']['next']))],
-      'syntactic': [(f"{k} (offset {baselines[k]['offset']:+d}: "
-                     f"{baselines[k]['accuracy']:.2f})", grid(lambda e, k=k: e['syntactic'][k]))
-                    for k in relations],
-      'rare': [(f"most-attended word is the rarest\n(chance {baselines['rare']['chance']:.2f}, "
-                f"uniform head {baselines['rare']['uniform']:.2f})",
-                grid(lambda e: e['rare']))],
+      'positional': [
+          ('previous word', grid(lambda e: e['positional']['prev'])),
+          ('next word', grid(lambda e: e['positional']['next'])),
+      ],
+      'syntactic': [
+          (
+              f"{k} (offset {baselines[k]['offset']:+d}: " f"{baselines[k]['accuracy']:.2f})",
+              grid(lambda e, k=k: e['syntactic'][k]),
+          )
+          for k in relations
+      ],
+      'rare': [
+          (
+              f"most-attended word is the rarest\n(chance {baselines['rare']['chance']:.2f}, "
+              f"uniform head {baselines['rare']['uniform']:.2f})",
+              grid(lambda e: e['rare']),
+          )
+      ],
       'confidence': [('mean max attention weight', grid(lambda e: e['confidence']))],
   }
   written = []
@@ -118,24 +132,32 @@ def heat_maps(entries: list[dict], baselines: dict, out: pathlib.Path) -> list[s
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument('--model', required=True, help="'minilm' or a translation run directory")
-  parser.add_argument('--conllu', default=None,
-                      help='CoNLL-U files, comma-separated (default: UD English-EWT dev,test)')
+  parser.add_argument(
+      '--conllu',
+      default=None,
+      help='CoNLL-U files, comma-separated (default: UD English-EWT dev,test)',
+  )
   parser.add_argument('--out', required=True, help='output directory')
   parser.add_argument('--max_sentences', type=int, default=0, help='0: all')
   parser.add_argument('--batch_size', type=int, default=32)
   args = parser.parse_args(argv)
 
-  paths = (args.conllu.split(',') if args.conllu else
-           [str(raw_file(f'ud_english_ewt/en_ewt-ud-{s}.conllu')) for s in ('dev', 'test')])
+  paths = (
+      args.conllu.split(',')
+      if args.conllu
+      else [str(raw_file(f'ud_english_ewt/en_ewt-ud-{s}.conllu')) for s in ('dev', 'test')]
+  )
   sentences = analysis.read_treebank(paths)
   if args.max_sentences:
-    sentences = sentences[:args.max_sentences]
+    sentences = sentences[: args.max_sentences]
   model, tokenizer = load_model(args.model)
-  result = analysis.head_roles(model, tokenizer, sentences, multi30k_word_counts(),
-                               batch_size=args.batch_size)
+  result = analysis.head_roles(
+      model, tokenizer, sentences, multi30k_word_counts(), batch_size=args.batch_size
+  )
   for entry in result['heads']:
     entry['roles'] = analysis.classify(entry, result['baselines'])
 
@@ -143,18 +165,27 @@ def main(argv=None):
   out.mkdir(parents=True, exist_ok=True)
   (out / 'roles.json').write_text(json.dumps(result['heads'], indent=1))
   (out / 'baselines.json').write_text(json.dumps(result['baselines'], indent=1))
-  summary = {'model': args.model, 'conllu': paths, 'sentences': result['sentences'],
-             'skipped': result['skipped'], 'word_counts': 'multi30k train.en, lowercased',
-             'thresholds': {'positional': roles_lib.POSITIONAL_THRESHOLD,
-                            'syntactic_margin': roles_lib.SYNTACTIC_MARGIN,
-                            'rare': roles_lib.RARE_THRESHOLD,
-                            'rare_margin_over_uniform': roles_lib.RARE_MARGIN}}
+  summary = {
+      'model': args.model,
+      'conllu': paths,
+      'sentences': result['sentences'],
+      'skipped': result['skipped'],
+      'word_counts': 'multi30k train.en, lowercased',
+      'thresholds': {
+          'positional': roles_lib.POSITIONAL_THRESHOLD,
+          'syntactic_margin': roles_lib.SYNTACTIC_MARGIN,
+          'rare': roles_lib.RARE_THRESHOLD,
+          'rare_margin_over_uniform': roles_lib.RARE_MARGIN,
+      },
+  }
   summary['plots'] = heat_maps(result['heads'], result['baselines'], out)
   (out / 'summary.json').write_text(json.dumps(summary, indent=1))
   labelled = [e for e in result['heads'] if e['roles']]
-  print(f"roles: {result['sentences']} sentences (skipped: {result['skipped']}), "
-        f'{len(labelled)} of {len(result["heads"])} heads with a role; wrote {out}/roles.json '
-        f"and {', '.join(summary['plots'])}")
+  print(
+      f"roles: {result['sentences']} sentences (skipped: {result['skipped']}), "
+      f'{len(labelled)} of {len(result["heads"])} heads with a role; wrote {out}/roles.json '
+      f"and {', '.join(summary['plots'])}"
+  )
   for e in labelled:
     print(f"  layer {e['layer']} head {e['head']}: {', '.join(e['roles'])}")
   return result

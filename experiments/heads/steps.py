@@ -43,6 +43,7 @@ def _jsonable(value):
 def test_files(out: pathlib.Path, num_sentences: int) -> tuple[str, str]:
   """Source and reference files of test_2016_flickr (its first `num_sentences`; 0: all)."""
   from experiments.heads.roles import raw_file
+
   source, reference = (raw_file(f'multi30k/test_2016_flickr.{lang}.gz') for lang in ('en', 'de'))
   if not num_sentences:
     return str(source), str(reference)
@@ -63,39 +64,55 @@ def recorded_bleu(run_dir: str, step: int, beam_size: int) -> dict | None:
   test = json.loads(path.read_text()).get('test') if path.exists() else None
   if not test or int(test.get('beam_size', -1)) != beam_size:
     return None
-  return {'bleu': test.get('bleu', test.get('bleu_greedy')), 'chrf': test['chrf'],
-          'sentences': test['sentences'], 'beam_size': beam_size,
-          'bleu_signature': test.get('bleu_signature'), 'from': str(path)}
+  return {
+      'bleu': test.get('bleu', test.get('bleu_greedy')),
+      'chrf': test['chrf'],
+      'sentences': test['sentences'],
+      'beam_size': beam_size,
+      'bleu_signature': test.get('bleu_signature'),
+      'from': str(path),
+  }
 
 
 def bleu(run_dir: str, out: pathlib.Path, args, run=None, step: int | None = None) -> dict:
   """Test BLEU and chrF of a run directory, with `lowrank_attn.translate` (or what the run's
   final evaluation recorded at `step`, when that is the same measurement; `run`: its RunDir)."""
   from lowrank_attn import translate
+
   if run is not None and not args.num_sentences:
     recorded = recorded_bleu(run_dir, step, args.beam_size or run.config.decode.beam_size)
     if recorded is not None:
       return recorded
   source, reference = test_files(out, args.num_sentences)
   result = translate.translate_file(
-      run_dir, input_path=source, output_path=str(out / f'{pathlib.Path(run_dir).name}.de'),
-      reference=reference, beam_size=args.beam_size, compilation_cache='')
+      run_dir,
+      input_path=source,
+      output_path=str(out / f'{pathlib.Path(run_dir).name}.de'),
+      reference=reference,
+      beam_size=args.beam_size,
+      compilation_cache='',
+  )
   return {k: result[k] for k in ('bleu', 'chrf', 'sentences', 'beam_size', 'bleu_signature')}
 
 
 def model_size(model) -> dict:
   from flax import nnx
   from lowrank_attn import pruning
+
   counts = pruning.head_counts(model)
   params = sum(x.size for x in jax_leaves(nnx.state(model, nnx.Param)))
-  return {'heads': {t: list(c) for t, c in counts.items()},
-          'encoder_heads': sum(counts.get('encoder', ())),
-          'total_heads': sum(sum(c) for c in counts.values()), 'params': params,
-          'gflops_per_sentence_pair': model.flops(1, 16, 16) / 1e9}
+  return {
+      'heads': {t: list(c) for t, c in counts.items()},
+      'encoder_heads': sum(counts.get('encoder', ())),
+      'total_heads': sum(sum(c) for c in counts.values()),
+      'params': params,
+      'gflops_per_sentence_pair': model.flops(1, 16, 16) / 1e9,
+  }
 
 
 def jax_leaves(tree):
   import jax
+
   return jax.tree.leaves(tree)
 
 
@@ -105,17 +122,24 @@ def jax_leaves(tree):
 def analyse(args) -> None:
   from lowrank_attn import analysis, tasks
   from lowrank_attn.runs import RunDir
+
   run = RunDir(args.run)
   model = run.model()
   batches = tasks.make_pipeline(
-      run.config.data, split='validation', seed=0, global_batch_size=args.batch_size,
-      train=False, workdir=run.path)
+      run.config.data,
+      split='validation',
+      seed=0,
+      global_batch_size=args.batch_size,
+      train=False,
+      workdir=run.path,
+  )
   batches = [b for _, b in zip(range(args.max_batches or 10**9), batches)]
   result = {
       'importance': analysis.head_importance(model, batches),
       'importance_normalized': analysis.head_importance(model, batches, normalize_layers=True),
       'confidence': analysis.head_confidence(model, batches, eos_id=run.tokenizer.eos_id),
-      'batches': len(batches), **model_size(model),
+      'batches': len(batches),
+      **model_size(model),
   }
   write_result(pathlib.Path(args.out), result)
 
@@ -123,6 +147,7 @@ def analyse(args) -> None:
 def keep_mask(args, model) -> dict:
   """{type: bool [layers, heads]} of the pruning asked for."""
   from lowrank_attn import pruning
+
   if args.prune == 'gates':
     return pruning.keep_from_gates(model)
   counts = pruning.head_counts(model)
@@ -133,12 +158,14 @@ def keep_mask(args, model) -> dict:
   else:
     rng = np.random.default_rng(args.seed)
     scores = {t: rng.random((len(counts[t]), counts[t][0])) for t in types}
-  ranked = sorted(((float(s), t, layer, head) for t in types
-                   for (layer, head), s in np.ndenumerate(scores[t])), reverse=True)
+  ranked = sorted(
+      ((float(s), t, layer, head) for t in types for (layer, head), s in np.ndenumerate(scores[t])),
+      reverse=True,
+  )
   if not 0 <= args.keep <= len(ranked):
     raise ValueError(f'--keep={args.keep} must be in [0, {len(ranked)}] (heads of {types}).')
   keep = {t: np.zeros(scores[t].shape, bool) for t in types}
-  for _, t, layer, head in ranked[:args.keep]:
+  for _, t, layer, head in ranked[: args.keep]:
     keep[t][layer, head] = True
   return keep
 
@@ -146,6 +173,7 @@ def keep_mask(args, model) -> dict:
 def evaluate(args) -> None:
   from lowrank_attn import pruning
   from lowrank_attn.runs import RunDir
+
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   run = RunDir(args.run)
@@ -162,15 +190,19 @@ def evaluate(args) -> None:
   if pruned_dir.exists():  # an interrupted attempt: write it again
     shutil.rmtree(pruned_dir)
   overrides = pruning.prune_run(run.path, keep, pruned_dir, step=step)
-  result.update(keep={t: np.asarray(k).astype(int).tolist() for t, k in keep.items()},
-                overrides=overrides, **model_size(RunDir(pruned_dir).model()),
-                **bleu(str(pruned_dir), out, args))
+  result.update(
+      keep={t: np.asarray(k).astype(int).tolist() for t, k in keep.items()},
+      overrides=overrides,
+      **model_size(RunDir(pruned_dir).model()),
+      **bleu(str(pruned_dir), out, args),
+  )
   write_result(out, result)
 
 
 def retrain(args) -> None:
   from lowrank_attn.runs import RunDir
   from lowrank_attn.train import train
+
   pruned = pathlib.Path(args.pruned).resolve()
   config = RunDir(pruned).config
   config.init_from = str(pruned)
@@ -190,14 +222,22 @@ def retrain(args) -> None:
   pruned_record = json.loads((pruned / 'pruning.json').read_text())
   retrained = RunDir(out)
   step = retrained.check_step()
-  write_result(out, {'pruned_from': str(pruned), 'retrain_steps': args.steps,
-                     'keep': pruned_record['keep'], **model_size(retrained.model(step)),
-                     **bleu(str(out), out, args, retrained, step)})
+  write_result(
+      out,
+      {
+          'pruned_from': str(pruned),
+          'retrain_steps': args.steps,
+          'keep': pruned_record['keep'],
+          **model_size(retrained.model(step)),
+          **bleu(str(out), out, args, retrained, step),
+      },
+  )
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   commands = parser.add_subparsers(dest='command', required=True)
   for name in ('analyse', 'evaluate', 'retrain'):
     sub = commands.add_parser(name)
@@ -211,8 +251,9 @@ def main(argv=None):
   analyse_parser.add_argument('--max_batches', type=int, default=0, help='0: the whole split')
   evaluate_parser = commands.choices['evaluate']
   evaluate_parser.add_argument('--prune', choices=('gates', 'importance', 'random'))
-  evaluate_parser.add_argument('--keep', type=int, default=0,
-                               help='heads kept (importance, random)')
+  evaluate_parser.add_argument(
+      '--keep', type=int, default=0, help='heads kept (importance, random)'
+  )
   evaluate_parser.add_argument('--types', choices=('encoder', 'all'), default='encoder')
   evaluate_parser.add_argument('--importance', help='an analyse output directory')
   evaluate_parser.add_argument('--seed', type=int, default=0)

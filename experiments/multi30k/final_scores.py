@@ -35,12 +35,17 @@ def main():
   opened = translate.open_run(args.workdir)
   steps = opened.run.last_steps(args.average_last)
   params = [opened.run.restore_params(step, opened.abstract_params) for step in steps]
-  candidates = {f'last checkpoint ({steps[-1]})': params[-1],
-                f'mean of {", ".join(map(str, steps))}': runs.mean_params(params)}
+  candidates = {
+      f'last checkpoint ({steps[-1]})': params[-1],
+      f'mean of {", ".join(map(str, steps))}': runs.mean_params(params),
+  }
   splits = args.splits.split(',')
-  lines = ['| parameters | length penalty | '
-           + ' | '.join(f'{s} BLEU | {s} chrF2' for s in splits) + ' |',
-           '|---|---:|' + '---:|---:|' * len(splits)]
+  lines = [
+      '| parameters | length penalty | '
+      + ' | '.join(f'{s} BLEU | {s} chrF2' for s in splits)
+      + ' |',
+      '|---|---:|' + '---:|---:|' * len(splits),
+  ]
   print('\n'.join(lines), flush=True)
   results = []
   for name, p in candidates.items():
@@ -48,11 +53,21 @@ def main():
       translator = opened.translator(p, beam_size=4, length_penalty=alpha, batch_size=64)
       cells = []
       for split in splits:
-        scores = decode.score(translator.translate(read(f'{data_dir}/{split}.en.gz')).texts,
-                              read(f'{data_dir}/{split}.de.gz'))
+        scores = decode.score(
+            translator.translate(read(f'{data_dir}/{split}.en.gz')).texts,
+            read(f'{data_dir}/{split}.de.gz'),
+        )
         cells += [f'{scores["bleu"]:.2f}', f'{scores["chrf"]:.2f}']
-        results.append({'workdir': args.workdir, 'parameters': name, 'length_penalty': alpha,
-                        'beam_size': 4, 'split': split, **scores})
+        results.append(
+            {
+                'workdir': args.workdir,
+                'parameters': name,
+                'length_penalty': alpha,
+                'beam_size': 4,
+                'split': split,
+                **scores,
+            }
+        )
       lines.append(f'| {name} | {alpha} | ' + ' | '.join(cells) + ' |')
       print(lines[-1], flush=True)
   lines += ['', scores['bleu_signature'], scores['chrf_signature']]

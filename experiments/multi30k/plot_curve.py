@@ -65,16 +65,24 @@ def curve(lines: list[dict], split: str = 'eval') -> list[dict]:
   """One row per eval step (the last line of each step): step, minutes, loss, bleu."""
   seconds = training_seconds(lines)
   if not seconds:
-    raise ValueError('no train line with train_secs in metrics.jsonl: this run was made before '
-                     'the training loop logged train_secs.')
+    raise ValueError(
+        'no train line with train_secs in metrics.jsonl: this run was made before '
+        'the training loop logged train_secs.'
+    )
   steps, secs = zip(*sorted(seconds.items()))
   evals = {int(e['step']): e for e in lines if e['split'] == split}
   rows = []
   for step in sorted(evals):
     entry = evals[step]
     bleu = entry.get('bleu', entry.get('bleu_greedy'))
-    rows.append({'step': step, 'minutes': float(np.interp(step, steps, secs)) / 60.0,
-                 'loss': entry.get('loss'), 'bleu': bleu})
+    rows.append(
+        {
+            'step': step,
+            'minutes': float(np.interp(step, steps, secs)) / 60.0,
+            'loss': entry.get('loss'),
+            'bleu': bleu,
+        }
+    )
   return rows
 
 
@@ -86,30 +94,46 @@ def final_test(lines: list[dict], rows: list[dict]) -> dict | None:
   entry = tests[-1]
   bleu = entry.get('bleu', entry.get('bleu_greedy'))
   minutes = next((r['minutes'] for r in rows if r['step'] == entry['step']), rows[-1]['minutes'])
-  return {'step': int(entry['step']), 'minutes': minutes, 'loss': entry.get('loss'),
-          'bleu': bleu, 'chrf': entry.get('chrf'), 'sentences': entry.get('sentences')}
+  return {
+      'step': int(entry['step']),
+      'minutes': minutes,
+      'loss': entry.get('loss'),
+      'bleu': bleu,
+      'chrf': entry.get('chrf'),
+      'sentences': entry.get('sentences'),
+  }
 
 
 def markdown_table(rows: list[dict]) -> str:
   fmt = lambda v, spec: '–' if v is None else format(v, spec)
   out = ['| step | minutes | eval loss | BLEU |', '|---:|---:|---:|---:|']
-  out += [f'| {r["step"]} | {r["minutes"]:.1f} | {fmt(r["loss"], ".3f")} | '
-          f'{fmt(r["bleu"], ".2f")} |' for r in rows]
+  out += [
+      f'| {r["step"]} | {r["minutes"]:.1f} | {fmt(r["loss"], ".3f")} | '
+      f'{fmt(r["bleu"], ".2f")} |'
+      for r in rows
+  ]
   return '\n'.join(out)
 
 
 def plot(rows: list[dict], out: str, title: str, test: dict | None = None) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
   with_bleu = [r for r in rows if r['bleu'] is not None]
-  top.plot([r['minutes'] for r in with_bleu], [r['bleu'] for r in with_bleu], 'o-',
-           label='validation')
+  top.plot(
+      [r['minutes'] for r in with_bleu], [r['bleu'] for r in with_bleu], 'o-', label='validation'
+  )
   if test is not None and test['bleu'] is not None:
-    top.plot([test['minutes']], [test['bleu']], '*', markersize=12,
-             label=f'test (final): {test["bleu"]:.1f}')
+    top.plot(
+        [test['minutes']],
+        [test['bleu']],
+        '*',
+        markersize=12,
+        label=f'test (final): {test["bleu"]:.1f}',
+    )
   top.set_ylabel('BLEU')
   top.grid(alpha=0.3)
   top.legend(loc='lower right')
@@ -126,8 +150,9 @@ def plot(rows: list[dict], out: str, title: str, test: dict | None = None) -> No
 
 
 def main(argv=None) -> list[dict]:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+      description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument('--workdir', required=True, help='the training run (its metrics.jsonl)')
   parser.add_argument('--out', required=True, help='the plot (.png)')
   parser.add_argument('--split', default='eval', help="eval lines to plot (default 'eval')")
@@ -147,9 +172,11 @@ def main(argv=None) -> list[dict]:
   print(markdown_table(rows))
   if test is not None and test['bleu'] is not None:
     fmt = lambda v, spec: '–' if v is None else format(v, spec)
-    print(f'\nFinal test (step {test["step"]}, {test["minutes"]:.1f} min): BLEU '
-          f'{test["bleu"]:.2f}, chrF {fmt(test["chrf"], ".2f")}, loss {fmt(test["loss"], ".3f")}, '
-          f'{fmt(test["sentences"], ".0f")} sentences.')
+    print(
+        f'\nFinal test (step {test["step"]}, {test["minutes"]:.1f} min): BLEU '
+        f'{test["bleu"]:.2f}, chrF {fmt(test["chrf"], ".2f")}, loss {fmt(test["loss"], ".3f")}, '
+        f'{fmt(test["sentences"], ".0f")} sentences.'
+    )
   print(f'\nwrote {args.out}')
   return rows
 

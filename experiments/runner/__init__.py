@@ -31,11 +31,31 @@ the one whole-file writer), `cli` (the command line).
 
 from experiments.runner import files, grid, provenance, report, results
 from experiments.runner.cli import main
-from experiments.runner.files import (ATTEMPTS_FILE, DONE_FILE, LOCK_FILE, LOG_FILE,
-                                      METRICS_FILE, RESULT_FILE, RESULTS_FILE)
+from experiments.runner.files import (
+    ATTEMPTS_FILE,
+    DONE_FILE,
+    LOCK_FILE,
+    LOG_FILE,
+    METRICS_FILE,
+    RESULT_FILE,
+    RESULTS_FILE,
+)
 from experiments.runner.grid import Run, arg_parser, run_grid, status, train_run
-from experiments.runner.provenance import (REPO_ROOT, RUNS_ENV, code_version, default_runs_dir,
-                                           machine)
+from experiments.runner.provenance import (
+    REPO_ROOT,
+    RUNS_ENV,
+    code_version,
+    default_runs_dir,
+    machine,
+)
 from experiments.runner.report import markdown_table, plot_lines, write_section
-from experiments.runner.results import (aggregate, bleu_of, final, history, load_results,
-                                        read_metrics, read_run, runs_summary)
+from experiments.runner.results import (
+    aggregate,
+    bleu_of,
+    final,
+    history,
+    load_results,
+    read_metrics,
+    read_run,
+    runs_summary,
+)

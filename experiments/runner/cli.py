@@ -11,9 +11,12 @@ from experiments.runner.report import markdown_table
 
 def main(argv: Sequence[str] | None = None) -> None:
   from experiments import runner  # pylint: disable=import-outside-toplevel  (for its docstring)
+
   parser = argparse.ArgumentParser(
-      prog='python -m experiments.runner', description=runner.__doc__,
-      formatter_class=argparse.RawDescriptionHelpFormatter)
+      prog='python -m experiments.runner',
+      description=runner.__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   commands = parser.add_subparsers(dest='command', required=True)
   status_parser = commands.add_parser('status', help='the state of each run in RUNS_DIR')
   status_parser.add_argument('runs_dir')

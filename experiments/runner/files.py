@@ -60,8 +60,9 @@ def dumps(value: Any, indent: int = 0, width: int = 100) -> str:
   flat = json.dumps(value)
   if not isinstance(value, (dict, list)) or len(flat) + indent <= width:
     return flat
-  if not any(isinstance(v, (dict, list)) for v in (value.values() if isinstance(value, dict)
-                                                   else value)):
+  if not any(
+      isinstance(v, (dict, list)) for v in (value.values() if isinstance(value, dict) else value)
+  ):
     return flat
   pad = ' ' * (indent + 1)
   if isinstance(value, dict):

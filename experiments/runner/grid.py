@@ -29,8 +29,18 @@ from experiments.runner.provenance import REPO_ROOT, code_version, default_runs_
 from experiments.runner.results import read_run
 
 _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._=,+-]{0,199}')
-_ENTRY_KEYS = ('name', 'seed', 'config', 'command', 'wall_time_s', 'wall_time_total_s',
-               'attempts', 'finished', 'machine', 'code')
+_ENTRY_KEYS = (
+    'name',
+    'seed',
+    'config',
+    'command',
+    'wall_time_s',
+    'wall_time_total_s',
+    'attempts',
+    'finished',
+    'machine',
+    'code',
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +52,7 @@ class Run:
   `collect(rundir) -> dict` reads the results of a run that exited 0 (default: `read_run`);
   its keys join the run's entry in results.json.
   """
+
   name: str
   command: Sequence[str]
   config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -51,11 +62,14 @@ class Run:
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-      raise ValueError(f'Run name {self.name!r}: it names a directory, so use letters, digits '
-                       'and ._=,+- only (at most 200 characters, not starting with . or -)')
+      raise ValueError(
+          f'Run name {self.name!r}: it names a directory, so use letters, digits '
+          'and ._=,+- only (at most 200 characters, not starting with . or -)'
+      )
     if isinstance(self.command, str) or not self.command:
-      raise ValueError(f'Run {self.name!r}: command must be a non-empty argv list, '
-                       f'got {self.command!r}')
+      raise ValueError(
+          f'Run {self.name!r}: command must be a non-empty argv list, ' f'got {self.command!r}'
+      )
     object.__setattr__(self, 'command', tuple(str(arg) for arg in self.command))
     try:
       json.dumps({'config': dict(self.config), 'seed': self.seed})
@@ -63,8 +77,9 @@ class Run:
       raise ValueError(f'Run {self.name!r}: config and seed must be JSON values ({e})') from None
 
 
-def train_run(name: str, config: str, *, seed: int = 0,
-              overrides: Mapping[str, Any] | None = None, **kwargs) -> Run:
+def train_run(
+    name: str, config: str, *, seed: int = 0, overrides: Mapping[str, Any] | None = None, **kwargs
+) -> Run:
   """A `python -m lowrank_attn.main` run whose workdir is the run directory.
 
   `config` is the `--config` argument ('configs/nmt.py:multi30k'); `overrides` maps config
@@ -74,8 +89,14 @@ def train_run(name: str, config: str, *, seed: int = 0,
   overrides = dict(overrides or {})
   if 'seed' in overrides:
     raise ValueError(f'Run {name!r}: pass the seed as seed=, not in overrides')
-  command = [sys.executable, '-m', 'lowrank_attn.main', f'--config={config}',
-             '--workdir={rundir}', f'--config.seed={seed}']
+  command = [
+      sys.executable,
+      '-m',
+      'lowrank_attn.main',
+      f'--config={config}',
+      '--workdir={rundir}',
+      f'--config.seed={seed}',
+  ]
   command += [f'--config.{key}={value}' for key, value in overrides.items()]
   return Run(name, command, config={'config': config, **overrides}, seed=seed, **kwargs)
 
@@ -83,23 +104,39 @@ def train_run(name: str, config: str, *, seed: int = 0,
 def arg_parser(description: str | None, experiment: str) -> argparse.ArgumentParser:
   """The flags every experiment script shares; add the script's own to the parser."""
   parser = argparse.ArgumentParser(
-      description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--runs_dir', default=str(default_runs_dir(experiment)),
-                      help='where the run directories go (default: %(default)s); put it '
-                           'outside the work tree to keep runs across sessions')
+      description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument(
+      '--runs_dir',
+      default=str(default_runs_dir(experiment)),
+      help='where the run directories go (default: %(default)s); put it '
+      'outside the work tree to keep runs across sessions',
+  )
   parser.add_argument('--parallel', type=int, default=1, help='runs at a time')
-  parser.add_argument('--refresh', action='store_true',
-                      help='collect the metrics of finished runs again')
-  parser.add_argument('--plot_only', action='store_true',
-                      help='skip the runs; tables and plots from the existing results.json')
+  parser.add_argument(
+      '--refresh', action='store_true', help='collect the metrics of finished runs again'
+  )
+  parser.add_argument(
+      '--plot_only',
+      action='store_true',
+      help='skip the runs; tables and plots from the existing results.json',
+  )
   return parser
 
 
-def run_grid(runs: Iterable[Run], out_dir: str | os.PathLike, *,
-             runs_dir: str | os.PathLike | None = None, parallel: int = 1,
-             cwd: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-             refresh: bool = False, tail_lines: int = 20, stop_timeout_s: float = 120.0,
-             exit_on_failure: bool = True) -> dict[str, Any]:
+def run_grid(
+    runs: Iterable[Run],
+    out_dir: str | os.PathLike,
+    *,
+    runs_dir: str | os.PathLike | None = None,
+    parallel: int = 1,
+    cwd: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    refresh: bool = False,
+    tail_lines: int = 20,
+    stop_timeout_s: float = 120.0,
+    exit_on_failure: bool = True,
+) -> dict[str, Any]:
   """Runs what is not finished yet, `parallel` at a time; returns results.json's content.
 
   out_dir: the experiment folder; `<out_dir>/results.json` gets every finished run, in grid
@@ -128,13 +165,22 @@ def run_grid(runs: Iterable[Run], out_dir: str | os.PathLike, *,
   runs_dir = pathlib.Path(runs_dir or default_runs_dir(out_dir.name)).resolve()
   out_dir.mkdir(parents=True, exist_ok=True)
   runs_dir.mkdir(parents=True, exist_ok=True)
-  grid = _Grid(runs, out_dir / RESULTS_FILE, runs_dir, parallel=parallel,
-               cwd=pathlib.Path(cwd or REPO_ROOT), env=dict(env or {}), tail_lines=tail_lines,
-               stop_timeout_s=stop_timeout_s)
+  grid = _Grid(
+      runs,
+      out_dir / RESULTS_FILE,
+      runs_dir,
+      parallel=parallel,
+      cwd=pathlib.Path(cwd or REPO_ROOT),
+      env=dict(env or {}),
+      tail_lines=tail_lines,
+      stop_timeout_s=stop_timeout_s,
+  )
   grid.run(refresh=refresh)
   if grid.failed and exit_on_failure:
-    raise SystemExit(f'grid: {len(grid.failed)} of {len(runs)} runs failed: '
-                     f'{grid.failed_summary()} (reports above; rerun to retry them)')
+    raise SystemExit(
+        f'grid: {len(grid.failed)} of {len(runs)} runs failed: '
+        f'{grid.failed_summary()} (reports above; rerun to retry them)'
+    )
   return grid.results()
 
 
@@ -159,8 +205,9 @@ class _Attempt:
 class _Grid:
   """The scheduler behind `run_grid`: state in the run directories, one results file."""
 
-  def __init__(self, runs, results_path, runs_dir, *, parallel, cwd, env, tail_lines,
-               stop_timeout_s):
+  def __init__(
+      self, runs, results_path, runs_dir, *, parallel, cwd, env, tail_lines, stop_timeout_s
+  ):
     self.runs, self.results_path, self.runs_dir = runs, results_path, runs_dir
     self.parallel, self.cwd, self.env = parallel, cwd, env
     self.tail_lines, self.stop_timeout_s = tail_lines, stop_timeout_s
@@ -185,20 +232,26 @@ class _Grid:
         entry = self.recorded.get(run.name)
         if entry is None or not _same_command(entry['command'], run.command):
           continue
-        _say(f'grid: {run.name} finished earlier (in {self.results_path.name}; its run '
-             'directory is gone)')
+        _say(
+            f'grid: {run.name} finished earlier (in {self.results_path.name}; its run '
+            'directory is gone)'
+        )
         self.done[run.name] = entry
         continue
       if refresh:
         entry = self._refresh(run, entry)
       if not _same_command(entry.get('command', run.command), run.command):
-        _say(f'grid: note: {run.name} finished with another command '
-             f'({_quote(entry["command"])}); delete {self.rundir(run) / DONE_FILE} to run it '
-             'again')
+        _say(
+            f'grid: note: {run.name} finished with another command '
+            f'({_quote(entry["command"])}); delete {self.rundir(run) / DONE_FILE} to run it '
+            'again'
+        )
       self.done[run.name] = entry
     todo = [run for run in self.runs if run.name not in self.done]
-    _say(f'grid: {len(self.runs)} runs in {self.runs_dir}: {len(self.done)} finished, '
-         f'{len(todo)} to run; results in {self.results_path}')
+    _say(
+        f'grid: {len(self.runs)} runs in {self.runs_dir}: {len(self.done)} finished, '
+        f'{len(todo)} to run; results in {self.results_path}'
+    )
     self.write_results()
     previous = self._install_signal_handlers()
     running: list[_Attempt] = []
@@ -208,15 +261,19 @@ class _Grid:
       signum = e.signum if isinstance(e, _Interrupted) else signal.SIGINT
       self._stop(running)
       self.write_results()
-      _say(f'grid: interrupted by {signal.Signals(signum).name}; {len(self.done)}/'
-           f'{len(self.runs)} runs finished; rerun the same command to resume the others',
-           err=True)
+      _say(
+          f'grid: interrupted by {signal.Signals(signum).name}; {len(self.done)}/'
+          f'{len(self.runs)} runs finished; rerun the same command to resume the others',
+          err=True,
+      )
       raise SystemExit(128 + signum) from None
     finally:
       for signum, handler in previous.items():
         signal.signal(signum, handler)
-    _say(f'grid: {len(self.done)}/{len(self.runs)} runs finished'
-         + (f'; failed: {self.failed_summary()}' if self.failed else ''))
+    _say(
+        f'grid: {len(self.done)}/{len(self.runs)} runs finished'
+        + (f'; failed: {self.failed_summary()}' if self.failed else '')
+    )
 
   def _schedule(self, queue: list[Run], running: list[_Attempt]) -> None:
     said_waiting = set()
@@ -231,8 +288,10 @@ class _Grid:
         if lock_fd is None:  # a command of an earlier, killed grid is still finishing
           if run.name not in said_waiting:
             said_waiting.add(run.name)
-            _say(f'grid: waiting for {run.name}: {rundir / LOCK_FILE} is held by another '
-                 f'process ({_lock_owner(rundir)})')
+            _say(
+                f'grid: waiting for {run.name}: {rundir / LOCK_FILE} is held by another '
+                f'process ({_lock_owner(rundir)})'
+            )
           continue
         queue.remove(run)
         changed = True
@@ -256,8 +315,13 @@ class _Grid:
   def _start(self, run: Run, rundir: pathlib.Path, lock_fd: int) -> _Attempt | None:
     number = sum('start' in line for line in files.read_jsonl(rundir / ATTEMPTS_FILE)) + 1
     argv = [arg.replace('{rundir}', str(rundir)) for arg in run.command]
-    env = {**os.environ, **self.env, **(run.env or {}), 'RUN_DIR': str(rundir),
-           'PYTHONUNBUFFERED': '1'}
+    env = {
+        **os.environ,
+        **self.env,
+        **(run.env or {}),
+        'RUN_DIR': str(rundir),
+        'PYTHONUNBUFFERED': '1',
+    }
     with open(rundir / LOG_FILE, 'ab') as log:
       log.write(f'=== attempt {number} at {_now()}: {_quote(argv)}\n'.encode())
       log.flush()
@@ -269,48 +333,80 @@ class _Grid:
         # Own session: a terminal's Ctrl-C reaches only the grid, which stops commands with
         # SIGTERM (our training CLI checkpoints on it). The LOCK descriptor is inherited, so
         # the lock lives as long as the command, even if the grid dies first.
-        proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                pass_fds=(lock_fd,), preexec_fn=_die_with_parent())
+        proc = subprocess.Popen(
+            argv,
+            cwd=self.cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=(lock_fd,),
+            preexec_fn=_die_with_parent(),
+        )
       except OSError as e:
-        files.append_jsonl(rundir / ATTEMPTS_FILE, {'attempt': number, 'end': _now(),
-                                                    'returncode': None, 'wall_time_s': 0.0})
+        files.append_jsonl(
+            rundir / ATTEMPTS_FILE,
+            {'attempt': number, 'end': _now(), 'returncode': None, 'wall_time_s': 0.0},
+        )
         os.close(lock_fd)
         self._fail(run, rundir, f'could not start: {e}', tail='')
         return None
     os.write(lock_fd, f'command pid {proc.pid}\n'.encode())
-    _say(f'grid: start {run.name} (attempt {number}{", resuming" if number > 1 else ""}), '
-         f'log {rundir / LOG_FILE}')
+    _say(
+        f'grid: start {run.name} (attempt {number}{", resuming" if number > 1 else ""}), '
+        f'log {rundir / LOG_FILE}'
+    )
     if code['modified']:
-      _say(f'grid: warning: {run.name} runs the uncommitted changes to '
-           f'{", ".join(code["modified"])} in {self.cwd}: edits made while it runs reach it '
-           'at its next (re)start.')
+      _say(
+          f'grid: warning: {run.name} runs the uncommitted changes to '
+          f'{", ".join(code["modified"])} in {self.cwd}: edits made while it runs reach it '
+          'at its next (re)start.'
+      )
     return _Attempt(run, rundir, number, proc, lock_fd, offset, start)
 
   def _finish(self, attempt: _Attempt) -> None:
     run, rundir, code = attempt.run, attempt.rundir, attempt.proc.returncode
     wall = round(time.monotonic() - attempt.start, 3)
     try:
-      files.append_jsonl(rundir / ATTEMPTS_FILE, {'attempt': attempt.number, 'end': _now(),
-                                                  'returncode': code, 'wall_time_s': wall})
+      files.append_jsonl(
+          rundir / ATTEMPTS_FILE,
+          {'attempt': attempt.number, 'end': _now(), 'returncode': code, 'wall_time_s': wall},
+      )
       # Attempts whose grid was killed outright wrote no end: a lower bound then.
       attempts = files.read_jsonl(rundir / ATTEMPTS_FILE)
       total = sum(a.get('wall_time_s', 0.0) for a in attempts)
       if code != 0:
-        self._fail(run, rundir, f'{_describe_exit(code)} after {wall:.1f} s',
-                   tail=_tail(rundir / LOG_FILE, attempt.log_offset, self.tail_lines))
+        self._fail(
+            run,
+            rundir,
+            f'{_describe_exit(code)} after {wall:.1f} s',
+            tail=_tail(rundir / LOG_FILE, attempt.log_offset, self.tail_lines),
+        )
         return
       try:
         collected = _collect(run, rundir)
       except Exception as e:  # pylint: disable=broad-except
-        self._fail(run, rundir, f'exited 0 but collecting its results failed: '
-                   f'{type(e).__name__}: {e}', tail='')
+        self._fail(
+            run,
+            rundir,
+            f'exited 0 but collecting its results failed: ' f'{type(e).__name__}: {e}',
+            tail='',
+        )
         return
-      entry = {'name': run.name, 'seed': run.seed, 'config': dict(run.config),
-               'command': list(run.command), 'wall_time_s': wall,
-               'wall_time_total_s': round(total, 3), 'attempts': attempt.number,
-               'finished': _now(), 'machine': self.machine,
-               'code': [a['code'] for a in attempts if 'code' in a], **collected}
+      entry = {
+          'name': run.name,
+          'seed': run.seed,
+          'config': dict(run.config),
+          'command': list(run.command),
+          'wall_time_s': wall,
+          'wall_time_total_s': round(total, 3),
+          'attempts': attempt.number,
+          'finished': _now(),
+          'machine': self.machine,
+          'code': [a['code'] for a in attempts if 'code' in a],
+          **collected,
+      }
       files.write_json(rundir / DONE_FILE, entry)  # the run counts as finished from here on
       self.done[run.name] = entry
       self.failed.pop(run.name, None)
@@ -336,8 +432,11 @@ class _Grid:
   def _stop(self, running: list[_Attempt]) -> None:
     if not running:
       return
-    _say(f'grid: stopping {", ".join(a.run.name for a in running)} (SIGTERM, SIGKILL after '
-         f'{self.stop_timeout_s:g} s)', err=True)
+    _say(
+        f'grid: stopping {", ".join(a.run.name for a in running)} (SIGTERM, SIGKILL after '
+        f'{self.stop_timeout_s:g} s)',
+        err=True,
+    )
     for attempt in running:
       _signal_group(attempt.proc, signal.SIGTERM)
     deadline = time.monotonic() + self.stop_timeout_s
@@ -352,9 +451,16 @@ class _Grid:
         _signal_group(attempt.proc, signal.SIGKILL)
     for attempt in running:
       attempt.proc.wait()
-      files.append_jsonl(attempt.rundir / ATTEMPTS_FILE, {
-          'attempt': attempt.number, 'end': _now(), 'returncode': attempt.proc.returncode,
-          'wall_time_s': round(time.monotonic() - attempt.start, 3), 'interrupted': True})
+      files.append_jsonl(
+          attempt.rundir / ATTEMPTS_FILE,
+          {
+              'attempt': attempt.number,
+              'end': _now(),
+              'returncode': attempt.proc.returncode,
+              'wall_time_s': round(time.monotonic() - attempt.start, 3),
+              'interrupted': True,
+          },
+      )
       os.close(attempt.lock_fd)
 
   def _install_signal_handlers(self) -> dict:
@@ -373,11 +479,13 @@ class _Grid:
   def results(self) -> dict[str, Any]:
     return {
         'runs_dir': str(self.runs_dir),
-        'runs': [self.done[run.name] for run in self.runs if run.name in self.done]
-                + self.kept,
+        'runs': [self.done[run.name] for run in self.runs if run.name in self.done] + self.kept,
         'failed': [{'name': name, 'why': why} for name, why in self.failed.items()],
-        'unfinished': [run.name for run in self.runs
-                       if run.name not in self.done and run.name not in self.failed],
+        'unfinished': [
+            run.name
+            for run in self.runs
+            if run.name not in self.done and run.name not in self.failed
+        ],
     }
 
   def write_results(self) -> None:

@@ -10,11 +10,20 @@ from experiments.runner import files
 from experiments.runner.results import aggregate
 
 
-def plot_lines(rows: Iterable[Mapping[str, Any]], *, x: str, y: str,
-               out: str | os.PathLike, group: str | Sequence[str] | None = None,
-               spread: str | None = 'minmax', title: str | None = None,
-               xlabel: str | None = None, ylabel: str | None = None, logx: bool = False,
-               logy: bool = False) -> dict[str, dict[str, list]]:
+def plot_lines(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    x: str,
+    y: str,
+    out: str | os.PathLike,
+    group: str | Sequence[str] | None = None,
+    spread: str | None = 'minmax',
+    title: str | None = None,
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    logx: bool = False,
+    logy: bool = False,
+) -> dict[str, dict[str, list]]:
   """`y` against `x`, one line per value of `group`, written to `out` (a PNG or PDF).
 
   Rows that share the group and x (e.g. seeds) become one point: their mean, with a band
@@ -32,21 +41,28 @@ def plot_lines(rows: Iterable[Mapping[str, Any]], *, x: str, y: str,
     points = sorted(aggregate(members, [x], [y]), key=lambda p: p[x])
     lo = [p[f'{y}_min'] if spread == 'minmax' else p[y] - p[f'{y}_std'] for p in points]
     hi = [p[f'{y}_max'] if spread == 'minmax' else p[y] + p[f'{y}_std'] for p in points]
-    series[label] = {'x': [p[x] for p in points], 'mean': [p[y] for p in points],
-                     'lo': lo, 'hi': hi, 'n': [p['n'] for p in points]}
+    series[label] = {
+        'x': [p[x] for p in points],
+        'mean': [p[y] for p in points],
+        'lo': lo,
+        'hi': hi,
+        'n': [p['n'] for p in points],
+    }
 
   # The object API with the Agg canvas: no pyplot state, no display needed.
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
   from matplotlib.patches import Patch
+
   fig = Figure(figsize=(6.4, 4.2), layout='constrained')
   FigureCanvasAgg(fig)
   ax = fig.add_subplot()
   handles, has_band = [], False
   band_label = {'minmax': 'min–max over seeds', 'std': '± std over seeds'}.get(spread)
   for label, s in series.items():
-    (line,) = ax.plot(s['x'], s['mean'], marker='o' if len(s['x']) < 30 else None,
-                      markersize=4, label=label)
+    (line,) = ax.plot(
+        s['x'], s['mean'], marker='o' if len(s['x']) < 30 else None, markersize=4, label=label
+    )
     handles.append(line)
     if spread and max(s['n']) > 1:
       ax.fill_between(s['x'], s['lo'], s['hi'], color=line.get_color(), alpha=0.2, lw=0)
@@ -73,8 +89,9 @@ def plot_lines(rows: Iterable[Mapping[str, Any]], *, x: str, y: str,
   return series
 
 
-def markdown_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[Any], *,
-                   floatfmt: str = '.4g') -> str:
+def markdown_table(
+    rows: Iterable[Mapping[str, Any]], columns: Sequence[Any], *, floatfmt: str = '.4g'
+) -> str:
   """A Markdown table: one line per row.
 
   A column is a key (also its header), `(header, key)` or `(header, fn)` with `fn(row)` giving
@@ -90,8 +107,10 @@ def markdown_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[Any], *,
       value = format(value, floatfmt)
     return str(value).replace('|', '\\|').replace('\n', ' ')
 
-  lines = ['| ' + ' | '.join(header for header, _ in specs) + ' |',
-           '|' + '|'.join('---' for _ in specs) + '|']
+  lines = [
+      '| ' + ' | '.join(header for header, _ in specs) + ' |',
+      '|' + '|'.join('---' for _ in specs) + '|',
+  ]
   lines += ['| ' + ' | '.join(cell(row, getter) for _, getter in specs) + ' |' for row in rows]
   return '\n'.join(lines) + '\n'
 
@@ -101,8 +120,11 @@ def write_section(path: str | os.PathLike, name: str, text: str) -> None:
   path = pathlib.Path(path)
   begin, end = f'<!-- {name} -->', f'<!-- /{name} -->'
   content = path.read_text()
-  if (content.count(begin) != 1 or content.count(end) != 1
-      or content.index(begin) > content.index(end)):
+  if (
+      content.count(begin) != 1
+      or content.count(end) != 1
+      or content.index(begin) > content.index(end)
+  ):
     raise ValueError(f'{path} must hold the markers {begin} and {end} once each, in that order')
   head, rest = content.split(begin)
   _, tail = rest.split(end)

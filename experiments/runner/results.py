@@ -40,8 +40,10 @@ def read_run(rundir: str | os.PathLike) -> dict[str, Any]:
   `full_config`: the resolved config our training CLI writes (omitted if absent).
   """
   rundir = pathlib.Path(rundir)
-  out = {'metrics': [m for m in read_metrics(rundir) if m['split'] != 'hparams'],
-         'result': files.read_json(rundir / RESULT_FILE) or {}}
+  out = {
+      'metrics': [m for m in read_metrics(rundir) if m['split'] != 'hparams'],
+      'result': files.read_json(rundir / RESULT_FILE) or {},
+  }
   full_config = files.read_json(rundir / 'config.json')
   if full_config is not None:
     out['full_config'] = full_config
@@ -75,8 +77,12 @@ def bleu_of(metrics: Mapping[str, Any]) -> float | None:
 
 def history(results: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
   """One row per (run, metrics line of `split`): learning curves, with each run's config."""
-  return [{**_run_row(run), **line} for run in results['runs']
-          for line in run.get('metrics', ()) if line['split'] == split]
+  return [
+      {**_run_row(run), **line}
+      for run in results['runs']
+      for line in run.get('metrics', ())
+      if line['split'] == split
+  ]
 
 
 def runs_summary(results: Mapping[str, Any]) -> str:
@@ -89,26 +95,35 @@ def runs_summary(results: Mapping[str, Any]) -> str:
     return 'No finished runs.'
   failed = [f['name'] for f in results.get('failed', [])]
   unfinished = results.get('unfinished', [])
-  left = [f'{label}: {", ".join(names)}'
-          for label, names in (('failed', failed), ('still to run', unfinished)) if names]
+  left = [
+      f'{label}: {", ".join(names)}'
+      for label, names in (('failed', failed), ('still to run', unfinished))
+      if names
+  ]
   total = len(runs) + len(failed) + len(unfinished)
-  count = f'{len(runs)} of {total} runs finished ({"; ".join(left)})' if left else (
-      f'{len(runs)} runs')
+  count = (
+      f'{len(runs)} of {total} runs finished ({"; ".join(left)})' if left else (f'{len(runs)} runs')
+  )
   times = [run.get('wall_time_total_s', run['wall_time_s']) for run in runs]
   machines = []
   for run in runs:
     m = run.get('machine', {})
-    line = (f"{m.get('cpu', '?')} ({m.get('cpus_available', m.get('cpu_count', '?'))} CPUs "
-            f"available), {m.get('platform', '?')}, Python {m.get('python', '?')}, "
-            f"jax {m.get('jax', '?')}")
+    line = (
+        f"{m.get('cpu', '?')} ({m.get('cpus_available', m.get('cpu_count', '?'))} CPUs "
+        f"available), {m.get('platform', '?')}, Python {m.get('python', '?')}, "
+        f"jax {m.get('jax', '?')}"
+    )
     if line not in machines:
       machines.append(line)
-  return (f'{count}, {_duration(sum(times))} of run time in all (longest '
-          f'{_duration(max(times))}), on ' + '; '.join(machines) + '.')
+  return (
+      f'{count}, {_duration(sum(times))} of run time in all (longest '
+      f'{_duration(max(times))}), on ' + '; '.join(machines) + '.'
+  )
 
 
-def aggregate(rows: Iterable[Mapping[str, Any]], by: Sequence[str],
-              values: Sequence[str]) -> list[dict[str, Any]]:
+def aggregate(
+    rows: Iterable[Mapping[str, Any]], by: Sequence[str], values: Sequence[str]
+) -> list[dict[str, Any]]:
   """Rows grouped by the `by` keys (e.g. everything but the seed), in first-seen order.
 
   Each output row has the `by` values, `n` (rows in the group) and, for each key in
@@ -126,8 +141,13 @@ def aggregate(rows: Iterable[Mapping[str, Any]], by: Sequence[str],
       xs = [float(m[key]) for m in members if m.get(key) is not None]
       mean = sum(xs) / len(xs) if xs else None
       agg[key] = mean
-      agg[f'{key}_std'] = (math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
-                           if len(xs) > 1 else 0.0 if xs else None)
+      agg[f'{key}_std'] = (
+          math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+          if len(xs) > 1
+          else 0.0
+          if xs
+          else None
+      )
       agg[f'{key}_min'] = min(xs) if xs else None
       agg[f'{key}_max'] = max(xs) if xs else None
     out.append(agg)
@@ -135,8 +155,12 @@ def aggregate(rows: Iterable[Mapping[str, Any]], by: Sequence[str],
 
 
 def _run_row(run: Mapping[str, Any]) -> dict[str, Any]:
-  return {'name': run['name'], 'seed': run.get('seed'), **(run.get('config') or {}),
-          'wall_time_s': run.get('wall_time_s')}
+  return {
+      'name': run['name'],
+      'seed': run.get('seed'),
+      **(run.get('config') or {}),
+      'wall_time_s': run.get('wall_time_s'),
+  }
 
 
 def _duration(seconds: float) -> str:

@@ -28,8 +28,10 @@ def task_of(model: nnx.Module) -> tasks.Task:
   for task in tasks.TASKS.values():
     if type(model) is task.model_class:  # pylint: disable=unidiomatic-typecheck
       return task
-  raise ValueError(f'{type(model).__name__} is the model of no task; the tasks\' models: '
-                   f'{sorted(t.model_class.__name__ for t in tasks.TASKS.values())}.')
+  raise ValueError(
+      f"{type(model).__name__} is the model of no task; the tasks' models: "
+      f'{sorted(t.model_class.__name__ for t in tasks.TASKS.values())}.'
+  )
 
 
 def _per_example_masks(counts: Mapping[str, tuple[int, ...]], batch_size: int):
@@ -57,8 +59,9 @@ def _importance_sums(graphdef, params, batch, *, task_name):
   return sums, weight
 
 
-def head_importance(model: nnx.Module, batches: Iterable[Batch], *,
-                    normalize_layers: bool = False) -> dict:
+def head_importance(
+    model: nnx.Module, batches: Iterable[Batch], *, normalize_layers: bool = False
+) -> dict:
   """Michel et al. (2019)'s head importance I_h = E_x |dL(x) / d xi_h| at xi = 1.
 
   xi_h multiplies head h's output (`head_masks`), L(x) is example x's summed loss under its
@@ -88,8 +91,10 @@ def head_importance(model: nnx.Module, batches: Iterable[Batch], *,
     tokens += float(count)
   if totals is None:
     raise ValueError('batches is empty: head importance needs at least one batch.')
-  scores = {t: [np.asarray(s, np.float64) / max(tokens, 1.0) for s in layers]
-            for t, layers in totals.items()}
+  scores = {
+      t: [np.asarray(s, np.float64) / max(tokens, 1.0) for s in layers]
+      for t, layers in totals.items()
+  }
   if normalize_layers:
     scores = {t: [s / (np.linalg.norm(s) + 1e-20) for s in layers] for t, layers in scores.items()}
   return per_type(scores)
@@ -103,8 +108,7 @@ def _position_tokens(model, batch) -> dict[str, tuple[jax.Array, jax.Array]]:
     # The decoder reads the targets shifted right: BOS, then target j - 1 at position j.
     shifted = jnp.concatenate([jnp.full_like(targets[:, :1], model.bos_id), targets[:, :-1]], 1)
     shifted = jnp.where(targets != 0, shifted, 0)
-    return {'encoder': (source, source), 'decoder': (shifted, shifted),
-            'cross': (shifted, source)}
+    return {'encoder': (source, source), 'decoder': (shifted, shifted), 'cross': (shifted, source)}
   tokens = batch['inputs']
   return {'encoder' if isinstance(model, models.EncoderMLM) else 'decoder': (tokens, tokens)}
 
@@ -126,8 +130,9 @@ def _confidence_sums(graphdef, params, batch, *, task_name, eos_id):
   return sums
 
 
-def head_confidence(model: nnx.Module, batches: Iterable[Batch], *,
-                    eos_id: int | None = None) -> dict:
+def head_confidence(
+    model: nnx.Module, batches: Iterable[Batch], *, eos_id: int | None = None
+) -> dict:
   """Voita et al. (2019)'s confidence: each head's maximum attention weight, averaged over
   the real (non-padding) query tokens of `batches`.
 
@@ -149,5 +154,9 @@ def head_confidence(model: nnx.Module, batches: Iterable[Batch], *,
     totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
   if totals is None:
     raise ValueError('batches is empty: head confidence needs at least one batch.')
-  return per_type({t: [np.asarray(s, np.float64) / max(float(count), 1.0) for s in layers]
-                   for t, (layers, count) in totals.items()})
+  return per_type(
+      {
+          t: [np.asarray(s, np.float64) / max(float(count), 1.0) for s in layers]
+          for t, (layers, count) in totals.items()
+      }
+  )

@@ -82,17 +82,23 @@ def row_kl(targets, logits, mask=None) -> Array:
   targets = _check_matrices('targets', targets).astype(jnp.float32)
   logits = _check_matrices('logits', logits).astype(jnp.float32)
   if targets.shape[-2:] != logits.shape[-2:]:
-    raise ValueError(f'targets {targets.shape} and logits {logits.shape} must have the same '
-                     'last two dimensions [n, m].')
+    raise ValueError(
+        f'targets {targets.shape} and logits {logits.shape} must have the same '
+        'last two dimensions [n, m].'
+    )
   if mask is None:
     mask = jnp.ones(logits.shape[-2:], bool)
-  mask = jnp.broadcast_to(jnp.asarray(mask, bool), jnp.broadcast_shapes(logits.shape,
-                                                                          targets.shape))
+  mask = jnp.broadcast_to(
+      jnp.asarray(mask, bool), jnp.broadcast_shapes(logits.shape, targets.shape)
+  )
   log_q = jax.nn.log_softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
   # 0 log 0 = 0: positions with zero target (masked ones included) contribute nothing.
   positive = targets > 0
-  terms = jnp.where(positive, targets * (jnp.log(jnp.where(positive, targets, 1.0))
-                                         - jnp.where(mask, log_q, 0.0)), 0.0)
+  terms = jnp.where(
+      positive,
+      targets * (jnp.log(jnp.where(positive, targets, 1.0)) - jnp.where(mask, log_q, 0.0)),
+      0.0,
+  )
   rows = mask.any(-1)
   return (terms.sum(-1) * rows).sum(-1) / jnp.maximum(rows.sum(-1), 1)
 
@@ -157,9 +163,17 @@ class HeadFit:
 INITS = ('random', 'svd')
 
 
-def fit_head(inputs, targets, head_dim: int, *, mask=None, steps: int = 2000,
-             learning_rate: float = 0.03, seed: int | Array = 0,
-             init: str = 'random') -> HeadFit:
+def fit_head(
+    inputs,
+    targets,
+    head_dim: int,
+    *,
+    mask=None,
+    steps: int = 2000,
+    learning_rate: float = 0.03,
+    seed: int | Array = 0,
+    init: str = 'random',
+) -> HeadFit:
   """Fits one head's W_Q, W_K `[D, head_dim]` so that softmax(logits) matches `targets`.
 
   Minimises `row_kl(targets, head_logits(inputs, W_Q, W_K), mask)` with Adam (`learning_rate`
@@ -177,8 +191,10 @@ def fit_head(inputs, targets, head_dim: int, *, mask=None, steps: int = 2000,
   targets = _check_matrices('targets', targets).astype(jnp.float32)
   n = inputs.shape[-2]
   if targets.shape[-2:] != (n, n):
-    raise ValueError(f'targets must have shape [..., n, n] with n={n} (the inputs\' length), '
-                     f'got {targets.shape}.')
+    raise ValueError(
+        f"targets must have shape [..., n, n] with n={n} (the inputs' length), "
+        f'got {targets.shape}.'
+    )
   batch = jnp.broadcast_shapes(inputs.shape[:-2], targets.shape[:-2])
   for name, value in (('head_dim', head_dim), ('steps', steps)):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
@@ -196,17 +212,25 @@ def fit_head(inputs, targets, head_dim: int, *, mask=None, steps: int = 2000,
   keys = jnp.broadcast_to(keys, batch)
 
   flat = lambda a: jnp.broadcast_to(a, batch + a.shape[-2:]).reshape((-1,) + a.shape[-2:])
-  out = _fit_problems(flat(inputs), flat(targets), flat(mask), keys.reshape(-1),
-                      head_dim=int(head_dim), steps=int(steps),
-                      learning_rate=float(learning_rate), init=init)
+  out = _fit_problems(
+      flat(inputs),
+      flat(targets),
+      flat(mask),
+      keys.reshape(-1),
+      head_dim=int(head_dim),
+      steps=int(steps),
+      learning_rate=float(learning_rate),
+      init=init,
+  )
   return HeadFit(*(a.reshape(batch + a.shape[1:]) for a in out))
 
 
 @functools.partial(jax.jit, static_argnames=('head_dim', 'steps', 'learning_rate', 'init'))
 def _fit_problems(inputs, targets, mask, keys, *, head_dim, steps, learning_rate, init):
   """`_fit_one` over a leading axis of problems."""
-  fit = functools.partial(_fit_one, head_dim=head_dim, steps=steps,
-                          learning_rate=learning_rate, init=init)
+  fit = functools.partial(
+      _fit_one, head_dim=head_dim, steps=steps, learning_rate=learning_rate, init=init
+  )
   return jax.vmap(fit)(inputs, targets, mask, keys)
 
 
@@ -216,23 +240,32 @@ def _fit_one(inputs, targets, mask, key, *, head_dim, steps, learning_rate, init
   # W ~ N(0, 1/(D ms(x))): queries and keys of unit variance, logits of unit variance.
   scale = jax.lax.rsqrt(depth * jnp.maximum(jnp.mean(jnp.square(inputs)), 1e-12))
   query_key, key_key = jax.random.split(key)
-  params = (scale * jax.random.normal(query_key, (depth, head_dim)),
-            scale * jax.random.normal(key_key, (depth, head_dim)))
+  params = (
+      scale * jax.random.normal(query_key, (depth, head_dim)),
+      scale * jax.random.normal(key_key, (depth, head_dim)),
+  )
   if init == 'svd':
     start = svd_head(inputs, targets, head_dim, mask=mask)
     params = tuple(w + 1e-3 * noise for w, noise in zip(start, params))
   # A short warmup: the first steps from a random start can overshoot at large head_dim.
-  optimizer = optax.adam(optax.warmup_cosine_decay_schedule(
-      0.0, learning_rate, warmup_steps=max(steps // 20, 1), decay_steps=steps,
-      end_value=0.01 * learning_rate))
+  optimizer = optax.adam(
+      optax.warmup_cosine_decay_schedule(
+          0.0,
+          learning_rate,
+          warmup_steps=max(steps // 20, 1),
+          decay_steps=steps,
+          end_value=0.01 * learning_rate,
+      )
+  )
   loss = lambda p: row_kl(targets, head_logits(inputs, *p), mask)
 
   def step(carry, _):
     params, opt_state, best, best_value = carry
     value, grads = jax.value_and_grad(loss)(params)
     # Keep the best iterate: Adam's steps stay ~learning_rate long near an optimum.
-    best, best_value = jax.lax.cond(value < best_value, lambda: (params, value),
-                                    lambda: (best, best_value))
+    best, best_value = jax.lax.cond(
+        value < best_value, lambda: (params, value), lambda: (best, best_value)
+    )
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state, best, best_value), value
 

@@ -78,9 +78,9 @@ def word_pieces(encode: Callable[[str], list[int]], sentence: Sentence) -> list[
   pieces, previous = [], []
   for end in ends:
     ids = encode(text[:end])
-    if ids[:len(previous)] != previous or len(ids) == len(previous):
+    if ids[: len(previous)] != previous or len(ids) == len(previous):
       return None
-    pieces.append(ids[len(previous):])
+    pieces.append(ids[len(previous) :])
     previous = ids
   if encode(text) != previous:  # text after the last word changed the last pieces
     return None
@@ -128,9 +128,14 @@ def _gold_targets(sentence: Sentence) -> dict[tuple[str, str], dict[int, set[int
   return targets
 
 
-def _count_sentence(counts: _Counts, words: np.ndarray, piece_weights: np.ndarray,
-                    word_of_piece: np.ndarray, sentence: Sentence,
-                    rarest: int | None) -> None:
+def _count_sentence(
+    counts: _Counts,
+    words: np.ndarray,
+    piece_weights: np.ndarray,
+    word_of_piece: np.ndarray,
+    sentence: Sentence,
+    rarest: int | None,
+) -> None:
   """Adds one sentence: words `[layers, heads, n, n]` word attention, piece_weights
   `[layers, heads, pieces, pieces]`."""
   n = words.shape[-1]
@@ -180,7 +185,7 @@ def word_counts(texts: Iterable[str]) -> collections.Counter:
   """Training-corpus word counts: texts split at whitespace and punctuation, lowercased."""
   counts = collections.Counter()
   for text in texts:
-    counts.update(normalize_word(w) for w in re.findall(r"\w+|[^\w\s]", text))
+    counts.update(normalize_word(w) for w in re.findall(r'\w+|[^\w\s]', text))
   return counts
 
 
@@ -200,9 +205,15 @@ def with_specials(model, tokenizer) -> Callable[[list[int]], tuple[list[int], in
   return lambda ids: ([*ids, tokenizer.eos_id], 0)
 
 
-def head_roles(model: nnx.Module, tokenizer, sentences: Sequence[Sentence],
-               counts: Mapping[str, int], *, batch_size: int = 32,
-               length_bucket: int = 16) -> dict:
+def head_roles(
+    model: nnx.Module,
+    tokenizer,
+    sentences: Sequence[Sentence],
+    counts: Mapping[str, int],
+    *,
+    batch_size: int = 32,
+    length_bucket: int = 16,
+) -> dict:
   """Role metrics of every encoder self-attention head on treebank sentences.
 
   Args:
@@ -221,8 +232,10 @@ def head_roles(model: nnx.Module, tokenizer, sentences: Sequence[Sentence],
   """
   heads = {a.num_heads for a in model.attention_layers()['encoder']}
   if len(heads) != 1 or 0 in heads:
-    raise ValueError(f'head_roles needs the same number of heads in every encoder layer, got '
-                     f'{pruning.head_counts(model)["encoder"]}.')
+    raise ValueError(
+        f'head_roles needs the same number of heads in every encoder layer, got '
+        f'{pruning.head_counts(model)["encoder"]}.'
+    )
   add_specials = with_specials(model, tokenizer)
   longest = model.cfg.max_length if model.cfg.positions == 'learned' else None
   aligned, skipped = [], {'unaligned': 0, 'too_long': 0}
@@ -235,36 +248,39 @@ def head_roles(model: nnx.Module, tokenizer, sentences: Sequence[Sentence],
     else:
       aligned.append((sentence, pieces))
   if not aligned:
-    raise ValueError(f'none of the {len(sentences)} sentences aligns with the tokenizer and '
-                     f'fits the model (skipped: {skipped}).')
+    raise ValueError(
+        f'none of the {len(sentences)} sentences aligns with the tokenizer and '
+        f'fits the model (skipped: {skipped}).'
+    )
 
   graphdef, params = nnx.split(model, nnx.Param)
 
   def attended():
     for first in range(0, len(aligned), batch_size):
-      chunk = aligned[first:first + batch_size]
+      chunk = aligned[first : first + batch_size]
       rows, words_of_pieces = [], []
       for sentence, pieces in chunk:
         ids, position = add_specials([p for word in pieces for p in word])
         word_of_piece = np.full(len(ids), -1)
         for w, word in enumerate(pieces):
-          word_of_piece[position:position + len(word)] = w
+          word_of_piece[position : position + len(word)] = w
           position += len(word)
         rows.append(ids)
         words_of_pieces.append(word_of_piece)
       length = -(-max(map(len, rows)) // length_bucket) * length_bucket
       inputs = np.zeros((batch_size, length), np.int32)  # a fixed batch: one compilation
       for i, ids in enumerate(rows):
-        inputs[i, :len(ids)] = ids
+        inputs[i, : len(ids)] = ids
       weights = np.asarray(_encoder_weights(graphdef, params, jnp.asarray(inputs)))
       for (sentence, _), ids, word_of_piece, w in zip(chunk, rows, words_of_pieces, weights):
-        yield sentence, w[..., :len(ids), :len(ids)], word_of_piece
+        yield sentence, w[..., : len(ids), : len(ids)], word_of_piece
 
   return {**roles_from_attention(attended(), counts), 'skipped': skipped}
 
 
-def roles_from_attention(attended: Iterable[tuple[Sentence, np.ndarray, np.ndarray]],
-                         counts: Mapping[str, int]) -> dict:
+def roles_from_attention(
+    attended: Iterable[tuple[Sentence, np.ndarray, np.ndarray]], counts: Mapping[str, int]
+) -> dict:
   """The metrics of `head_roles` from (sentence, piece attention `[layers, heads, pieces,
   pieces]`, word of each piece (-1: special token)) triples."""
   counted = None
@@ -277,8 +293,14 @@ def roles_from_attention(attended: Iterable[tuple[Sentence, np.ndarray, np.ndarr
     words = words.reshape(*weights.shape[:2], n, n)
     frequency = [counts.get(normalize_word(t), 0) for t in sentence.tokens]
     rarest = [i for i, f in enumerate(frequency) if f == min(frequency)]
-    _count_sentence(counted, words, weights, np.asarray(word_of_piece), sentence,
-                    rarest[0] if len(rarest) == 1 else None)
+    _count_sentence(
+        counted,
+        words,
+        weights,
+        np.asarray(word_of_piece),
+        sentence,
+        rarest[0] if len(rarest) == 1 else None,
+    )
   if counted is None:
     raise ValueError('no sentence to compute head roles on.')
   return _summarise(counted)
@@ -290,31 +312,44 @@ def _summarise(c: _Counts) -> dict:
   heads = []
   for layer in range(c.layers):
     for head in range(c.heads):
-      heads.append({
-          'layer': layer, 'head': head,
-          'confidence': c.confidence[layer, head] / max(c.pieces, 1),
-          'positional': {'prev': c.prev[layer, head] / max(c.words_with_prev, 1),
-                         'next': c.next[layer, head] / max(c.words_with_next, 1)},
-          'syntactic': {name(k): c.syntactic[k][layer, head] / c.queries[k] for k in keys},
-          'rare': c.rare[layer, head] / max(c.rare_sentences, 1),
-      })
+      heads.append(
+          {
+              'layer': layer,
+              'head': head,
+              'confidence': c.confidence[layer, head] / max(c.pieces, 1),
+              'positional': {
+                  'prev': c.prev[layer, head] / max(c.words_with_prev, 1),
+                  'next': c.next[layer, head] / max(c.words_with_next, 1),
+              },
+              'syntactic': {name(k): c.syntactic[k][layer, head] / c.queries[k] for k in keys},
+              'rare': c.rare[layer, head] / max(c.rare_sentences, 1),
+          }
+      )
   baselines = {}
   for key in keys:
     offset, accuracy = _baseline(c.offsets[key], c.queries[key])
     baselines[name(key)] = {'offset': offset, 'accuracy': accuracy, 'queries': c.queries[key]}
-  baselines['rare'] = {'chance': c.rare_chance / max(c.rare_sentences, 1),
-                       'uniform': c.rare_uniform / max(c.rare_sentences, 1),
-                       'sentences': c.rare_sentences}
+  baselines['rare'] = {
+      'chance': c.rare_chance / max(c.rare_sentences, 1),
+      'uniform': c.rare_uniform / max(c.rare_sentences, 1),
+      'sentences': c.rare_sentences,
+  }
   return {'heads': heads, 'baselines': baselines, 'sentences': c.sentences}
 
 
 def classify(entry: Mapping, baselines: Mapping) -> list[str]:
   """The roles a head's metrics give it by the thresholds above: 'positional (prev|next)',
   'syntactic (<relation> <direction>)', 'rare'."""
-  roles = [f'positional ({side})' for side in ('prev', 'next')
-           if entry['positional'][side] >= POSITIONAL_THRESHOLD]
-  roles += [f'syntactic ({key})' for key, accuracy in entry['syntactic'].items()
-            if accuracy >= baselines[key]['accuracy'] + SYNTACTIC_MARGIN]
+  roles = [
+      f'positional ({side})'
+      for side in ('prev', 'next')
+      if entry['positional'][side] >= POSITIONAL_THRESHOLD
+  ]
+  roles += [
+      f'syntactic ({key})'
+      for key, accuracy in entry['syntactic'].items()
+      if accuracy >= baselines[key]['accuracy'] + SYNTACTIC_MARGIN
+  ]
   if entry['rare'] >= max(RARE_THRESHOLD, baselines['rare']['uniform'] + RARE_MARGIN):
     roles.append('rare')
   return roles

@@ -42,12 +42,22 @@ from lowrank_attn.attention.spec import DEFAULT_BLOCK_SIZE
 Array = jax.Array
 
 
-def blockwise_attention(query: Array, key: Array, value: Array, *, key_bias: Array | None = None,
-                        mask: Array | None = None, is_causal: bool = False,
-                        pre_mixing: Array | None = None, post_mixing: Array | None = None,
-                        dropout_rng: Array | None = None, dropout_rate: float = 0.0,
-                        broadcast_dropout: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
-                        precision=None) -> Array:
+def blockwise_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    key_bias: Array | None = None,
+    mask: Array | None = None,
+    is_causal: bool = False,
+    pre_mixing: Array | None = None,
+    post_mixing: Array | None = None,
+    dropout_rng: Array | None = None,
+    dropout_rate: float = 0.0,
+    broadcast_dropout: bool = True,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    precision=None
+) -> Array:
   """softmax(q k^T + key_bias, masked) v per head, in blocks; O(length) memory.
 
   Args:
@@ -87,17 +97,26 @@ def blockwise_attention(query: Array, key: Array, value: Array, *, key_bias: Arr
   v = head_major(value, kv_length, kv_padded)
   if key_bias is not None:
     key_bias = jnp.broadcast_to(key_bias, (*batch_shape, heads, kv_length))
-    key_bias = jnp.pad(key_bias.reshape(batch, heads, kv_length).astype(jnp.float32),
-                       ((0, 0), (0, 0), (0, kv_padded - kv_length)))
+    key_bias = jnp.pad(
+        key_bias.reshape(batch, heads, kv_length).astype(jnp.float32),
+        ((0, 0), (0, 0), (0, kv_padded - kv_length)),
+    )
   if mask is not None:
     mask = _block_layout_mask(mask, batch_shape, heads, q_length, kv_length, q_padded, kv_padded)
   dropout = dropout_rng is not None and dropout_rate > 0.0
   config = _Config(
-      q_block=q_block, kv_block=kv_block, q_length=q_length, kv_length=kv_length,
-      is_causal=bool(is_causal), dropout_rate=float(dropout_rate) if dropout else 0.0,
-      broadcast_dropout=bool(broadcast_dropout), precision=precision)
-  out = _attention(config, q, k, v, key_bias, pre_mixing, post_mixing, mask,
-                   dropout_rng if dropout else None)
+      q_block=q_block,
+      kv_block=kv_block,
+      q_length=q_length,
+      kv_length=kv_length,
+      is_causal=bool(is_causal),
+      dropout_rate=float(dropout_rate) if dropout else 0.0,
+      broadcast_dropout=bool(broadcast_dropout),
+      precision=precision,
+  )
+  out = _attention(
+      config, q, k, v, key_bias, pre_mixing, post_mixing, mask, dropout_rng if dropout else None
+  )
   out = jnp.swapaxes(out[:, :, :q_length], 1, 2)  # [B, q, heads, dv]
   return out.reshape(*batch_shape, q_length, heads, dv)
 
@@ -113,15 +132,19 @@ def _block_layout_mask(mask, batch_shape, heads, q_length, kv_length, q_padded, 
     mask = mask.reshape(1, *mask.shape[n:])
   else:
     mask = jnp.broadcast_to(mask, (*batch_shape, *mask.shape[n:])).reshape(-1, *mask.shape[n:])
-  pad = [(0, 0), (0, 0),
-         (0, q_padded - q_length if mask.shape[2] > 1 else 0),
-         (0, kv_padded - kv_length if mask.shape[3] > 1 else 0)]
+  pad = [
+      (0, 0),
+      (0, 0),
+      (0, q_padded - q_length if mask.shape[2] > 1 else 0),
+      (0, kv_padded - kv_length if mask.shape[3] > 1 else 0),
+  ]
   return jnp.pad(mask, pad, constant_values=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
   """Static settings of one blockwise call (hashable: a custom_vjp non-differentiable arg)."""
+
   q_block: int
   kv_block: int
   q_length: int  # before padding to whole blocks
@@ -150,23 +173,38 @@ def _ungrouped(x: Array, heads: int) -> Array:
 
 def _rows_times(x, y, heads, precision):
   """`x [B, H, n, m] @ y [B, H_y, m, d] -> float32 [B, H, n, d]` (grouped over H_y)."""
-  out = jnp.einsum('bhnm,bhmd->bhnd', _grouped(x, y.shape[1]), y, precision=precision,
-                   preferred_element_type=jnp.float32)
+  out = jnp.einsum(
+      'bhnm,bhmd->bhnd',
+      _grouped(x, y.shape[1]),
+      y,
+      precision=precision,
+      preferred_element_type=jnp.float32,
+  )
   return _ungrouped(out, heads)
 
 
 def _rows_dot(x, y, heads, precision):
   """`x [B, H, n, d] . y [B, H_y, m, d] -> float32 [B, H, n, m]` (grouped over H_y)."""
-  out = jnp.einsum('bhnd,bhmd->bhnm', _grouped(x, y.shape[1]), y, precision=precision,
-                   preferred_element_type=jnp.float32)
+  out = jnp.einsum(
+      'bhnd,bhmd->bhnm',
+      _grouped(x, y.shape[1]),
+      y,
+      precision=precision,
+      preferred_element_type=jnp.float32,
+  )
   return _ungrouped(out, heads)
 
 
 def _columns_dot(x, y, heads_out, precision):
   """`x [B, H, n, m]^T . y [B, H, n, d] -> float32 [B, H_out, m, d]`, summed over the query
   heads of each group (the gradient of a key or value head shared by a group)."""
-  return jnp.einsum('bhnm,bhnd->bhmd', _grouped(x, heads_out), _grouped(y, heads_out),
-                    precision=precision, preferred_element_type=jnp.float32)
+  return jnp.einsum(
+      'bhnm,bhnd->bhmd',
+      _grouped(x, heads_out),
+      _grouped(y, heads_out),
+      precision=precision,
+      preferred_element_type=jnp.float32,
+  )
 
 
 def _mix(x, mixing):
@@ -237,8 +275,7 @@ class _Blocks:
     c = self.c
     shape = ((1, 1) if c.broadcast_dropout else self.q.shape[:2]) + (c.q_block, c.kv_block)
     keep_prob = 1.0 - c.dropout_rate
-    kept = jax.random.bernoulli(jax.random.fold_in(self.rng, i * self.num_kv + j), keep_prob,
-                                shape)
+    kept = jax.random.bernoulli(jax.random.fold_in(self.rng, i * self.num_kv + j), keep_prob, shape)
     return kept.astype(jnp.float32) / keep_prob
 
   def weights(self, scores, lse_i, visible):
@@ -279,6 +316,7 @@ def _forward(config: _Config, q, k, v, key_bias, pre, post, mask, rng):
   def query_block(_, i):
     q_i = blocks.q_slice(q, i)
     if post is None:  # one pass: the online softmax rescales the running weighted sum
+
       def step(j, carry):
         m, l, acc = carry
         visible = blocks.visible(i, j)
@@ -287,10 +325,13 @@ def _forward(config: _Config, q, k, v, key_bias, pre, post, mask, rng):
         keep = blocks.keep(i, j)
         p = p if keep is None else p * keep
         acc = acc * correction[..., None] + _rows_times(
-            p.astype(v.dtype), blocks.kv_slice(v, j), heads, precision)
+            p.astype(v.dtype), blocks.kv_slice(v, j), heads, precision
+        )
         return m, l, acc
-      m, l, acc = jax.lax.fori_loop(0, blocks.kv_end(i), step,
-                                    (*stats0, jnp.zeros((b, heads, bq, dv), jnp.float32)))
+
+      m, l, acc = jax.lax.fori_loop(
+          0, blocks.kv_end(i), step, (*stats0, jnp.zeros((b, heads, bq, dv), jnp.float32))
+      )
       out = acc / jnp.where(l > 0, l, 1.0)[..., None]
       return None, (out.astype(v.dtype), _log_sum_exp(m, l))
 
@@ -301,6 +342,7 @@ def _forward(config: _Config, q, k, v, key_bias, pre, post, mask, rng):
       _, scores = blocks.logits(q_i, j, visible)
       m, _, _, l = _online_softmax_step(scores, visible, m, l)
       return m, l
+
     lse_i = _log_sum_exp(*jax.lax.fori_loop(0, blocks.kv_end(i), stats_step, stats0))
 
     def sum_step(j, acc):
@@ -310,8 +352,10 @@ def _forward(config: _Config, q, k, v, key_bias, pre, post, mask, rng):
       keep = blocks.keep(i, j)
       w = w if keep is None else w * keep
       return acc + _rows_times(w.astype(v.dtype), blocks.kv_slice(v, j), heads, precision)
-    acc = jax.lax.fori_loop(0, blocks.kv_end(i), sum_step,
-                            jnp.zeros((b, heads, bq, dv), jnp.float32))
+
+    acc = jax.lax.fori_loop(
+        0, blocks.kv_end(i), sum_step, jnp.zeros((b, heads, bq, dv), jnp.float32)
+    )
     return None, (acc.astype(v.dtype), lse_i)
 
   _, (out, lse) = jax.lax.scan(query_block, None, jnp.arange(blocks.num_q))
@@ -368,7 +412,9 @@ def _attention_bwd(config, residuals, d_out):
         p, _ = blocks.weights(scores, lse_i, visible)
         dw, _ = d_weights(i, j, d_out_i, visible)
         return delta_i + jnp.sum(p * _mix(dw, post.T), axis=-1)
+
       return None, jax.lax.fori_loop(0, blocks.kv_end(i), step, jnp.zeros_like(lse_i))
+
     _, delta = jax.lax.scan(delta_block, None, jnp.arange(blocks.num_q))
     delta = jnp.moveaxis(delta, 0, 2).reshape(lse.shape)
 
@@ -400,20 +446,28 @@ def _attention_bwd(config, residuals, d_out):
       ds = ds.astype(q.dtype)
       dq_i = _rows_times(ds, k_j, heads, precision)
       dq = jax.lax.dynamic_update_slice_in_dim(
-          dq, blocks.q_slice(dq, i) + dq_i, i * config.q_block, axis=2)
+          dq, blocks.q_slice(dq, i) + dq_i, i * config.q_block, axis=2
+      )
       dk_j = dk_j + _columns_dot(ds, q_i, k.shape[1], precision)
       return dk_j, dv_j, dkb_j, d_pre, d_post, dq
 
     d_pre, d_post, dq = carry
-    inner = (zeros(k_j), zeros(v_j),
-             None if key_bias is None else zeros(blocks.kv_slice(key_bias, j)),
-             d_pre, d_post, dq)
+    inner = (
+        zeros(k_j),
+        zeros(v_j),
+        None if key_bias is None else zeros(blocks.kv_slice(key_bias, j)),
+        d_pre,
+        d_post,
+        dq,
+    )
     dk_j, dv_j, dkb_j, d_pre, d_post, dq = jax.lax.fori_loop(
-        blocks.q_start(j), blocks.num_q, step, inner)
+        blocks.q_start(j), blocks.num_q, step, inner
+    )
     return (d_pre, d_post, dq), (dk_j, dv_j, dkb_j)
 
   (d_pre, d_post, dq), (dk, dv, dkb) = jax.lax.scan(
-      key_block, (zeros(pre), zeros(post), zeros(q)), jnp.arange(blocks.num_kv))
+      key_block, (zeros(pre), zeros(post), zeros(q)), jnp.arange(blocks.num_kv)
+  )
   from_blocks = lambda x: jnp.moveaxis(x, 0, 2).reshape(*x.shape[1:3], -1, *x.shape[4:])
   dk, dv = from_blocks(dk).astype(k.dtype), from_blocks(dv).astype(v.dtype)
   if dkb is not None:

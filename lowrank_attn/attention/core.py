@@ -43,19 +43,23 @@ def combine_masks(*masks: Array | None) -> Array | None:
 def check_broadcastable(name: str, array_shape, target_shape, target_desc: str) -> None:
   """ValueError naming `name` unless `array_shape` broadcasts to `target_shape`."""
   ok = len(array_shape) <= len(target_shape) and all(
-      a in (1, t) for a, t in zip(reversed(array_shape), reversed(target_shape)))
+      a in (1, t) for a, t in zip(reversed(array_shape), reversed(target_shape))
+  )
   if not ok:
     raise ValueError(
         f'{name} has shape {tuple(array_shape)}, which does not broadcast to '
-        f'{target_desc} = {tuple(target_shape)}.')
+        f'{target_desc} = {tuple(target_shape)}.'
+    )
 
 
 def check_head_groups(query, key, value) -> None:
   """ValueError unless key and value heads (`[..., heads, d]`) each divide the query heads."""
   heads, key_heads, value_heads = query.shape[-2], key.shape[-2], value.shape[-2]
   if heads % key_heads or heads % value_heads:
-    raise ValueError(f'key heads ({key_heads}) and value heads ({value_heads}) must divide the '
-                     f'query heads ({heads}).')
+    raise ValueError(
+        f'key heads ({key_heads}) and value heads ({value_heads}) must divide the '
+        f'query heads ({heads}).'
+    )
 
 
 # Added to hidden logits. Finite, so no inf - inf = NaN anywhere; far below any real logit,
@@ -101,8 +105,7 @@ def weighted_sum(weights: Array, value: Array, precision=None) -> Array:
   if heads == kv_heads:
     out = jnp.einsum('...hqk,...hkd->...hqd', weights, value, precision=precision)
   else:
-    grouped = weights.reshape(*weights.shape[:-3], kv_heads, heads // kv_heads,
-                              *weights.shape[-2:])
+    grouped = weights.reshape(*weights.shape[:-3], kv_heads, heads // kv_heads, *weights.shape[-2:])
     out = jnp.einsum('...hgqk,...hkd->...hgqd', grouped, value, precision=precision)
     out = out.reshape(*out.shape[:-4], heads, *out.shape[-2:])
   return jnp.swapaxes(out, -2, -3)

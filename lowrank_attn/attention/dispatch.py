@@ -96,15 +96,26 @@ PLATFORMS = {'xla': None, 'blockwise': None, 'cudnn': 'gpu', 'pallas': 'gpu', 's
 SEGMENT_ID_IMPLEMENTATIONS = ('pallas', 'splash')
 
 
-def check_implementation(implementation: str, spec: AttentionSpec, *, block_size: int = 1,
-                         return_weights: bool = False, return_logits: bool = False,
-                         dropout: bool = False, mask: bool = False, cache: bool = False,
-                         dtype=None, platform: str | None = None) -> None:
+def check_implementation(
+    implementation: str,
+    spec: AttentionSpec,
+    *,
+    block_size: int = 1,
+    return_weights: bool = False,
+    return_logits: bool = False,
+    dropout: bool = False,
+    mask: bool = False,
+    cache: bool = False,
+    dtype=None,
+    platform: str | None = None,
+) -> None:
   """ValueError naming the setting unless `implementation` can compute this call on `platform`
   (None: `jax.default_backend()`)."""
   if implementation == 'auto':
-    raise ValueError("implementation='auto' stands for another implementation: resolve it with "
-                     'choose_implementation first.')
+    raise ValueError(
+        "implementation='auto' stands for another implementation: resolve it with "
+        'choose_implementation first.'
+    )
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f'implementation={implementation!r} is not one of {IMPLEMENTATIONS}.')
   if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
@@ -113,8 +124,10 @@ def check_implementation(implementation: str, spec: AttentionSpec, *, block_size
     return
   for name, value in (('return_weights', return_weights), ('return_logits', return_logits)):
     if value:
-      raise ValueError(f"{name}=True needs implementation='xla': implementation="
-                       f'{implementation!r} never materialises [batch, heads, q, kv].')
+      raise ValueError(
+          f"{name}=True needs implementation='xla': implementation="
+          f'{implementation!r} never materialises [batch, heads, q, kv].'
+      )
   needed = PLATFORMS[implementation]
   if needed is None:
     return
@@ -122,7 +135,8 @@ def check_implementation(implementation: str, spec: AttentionSpec, *, block_size
   if platform != needed:
     raise ValueError(
         f'implementation={implementation!r} needs a {needed.upper()} '
-        f"backend, but this one is {platform!r}; implementation='blockwise' runs anywhere.")
+        f"backend, but this one is {platform!r}; implementation='blockwise' runs anywhere."
+    )
   unsupported = []
   if spec.kind == 'talking_heads':
     unsupported.append("kind='talking_heads' (mixes heads around the softmax)")
@@ -138,16 +152,22 @@ def check_implementation(implementation: str, spec: AttentionSpec, *, block_size
         unsupported.append(
             f'head widths above {fused.CUDNN_MAX_WIDTH} (collaborative key_dim={spec.key_dim}'
             f'{f" + {spec.num_heads} content-bias columns" if spec.use_bias else ""} and '
-            f'head_dim={spec.head_dim} give {widest})')
+            f'head_dim={spec.head_dim} give {widest})'
+        )
     if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-      unsupported.append(f'dtype {jnp.dtype(dtype).name} (cuDNN attention needs bfloat16 or '
-                         'float16)')
+      unsupported.append(
+          f'dtype {jnp.dtype(dtype).name} (cuDNN attention needs bfloat16 or ' 'float16)'
+      )
   if implementation in SEGMENT_ID_IMPLEMENTATIONS and mask:
-    unsupported.append(f'a boolean mask ({implementation} takes is_causal, and segment_ids '
-                       '(query, key) for padding and packed sequences)')
+    unsupported.append(
+        f'a boolean mask ({implementation} takes is_causal, and segment_ids '
+        '(query, key) for padding and packed sequences)'
+    )
   if unsupported:
-    raise ValueError(f'implementation={implementation!r} does not support '
-                     f"{', '.join(unsupported)}; use implementation='blockwise'.")
+    raise ValueError(
+        f'implementation={implementation!r} does not support '
+        f"{', '.join(unsupported)}; use implementation='blockwise'."
+    )
 
 
 # The 'auto' table (see the module docstring): thresholds, and the candidates per platform.
@@ -164,11 +184,20 @@ def weights_bytes(spec: AttentionSpec, batch: int, q_length: int, kv_length: int
   return 4 * batch * heads * q_length * kv_length
 
 
-def choose_implementation(spec: AttentionSpec, *, q_length: int, kv_length: int,
-                          batch: int = 1, dtype=None, platform: str | None = None,
-                          mask: bool = False, return_weights: bool = False,
-                          return_logits: bool = False, dropout: bool = False,
-                          cache: bool = False) -> str:
+def choose_implementation(
+    spec: AttentionSpec,
+    *,
+    q_length: int,
+    kv_length: int,
+    batch: int = 1,
+    dtype=None,
+    platform: str | None = None,
+    mask: bool = False,
+    return_weights: bool = False,
+    return_logits: bool = False,
+    dropout: bool = False,
+    cache: bool = False,
+) -> str:
   """The implementation 'auto' stands for: the first row of the 'auto' table (module
   docstring) that holds and that `check_implementation` accepts for this call.
 
@@ -177,14 +206,22 @@ def choose_implementation(spec: AttentionSpec, *, q_length: int, kv_length: int,
   compiled for (None: `jax.default_backend()`); the flags as `check_implementation`'s.
   """
   platform = platform or jax.default_backend()
-  checked = dict(return_weights=return_weights, return_logits=return_logits, dropout=dropout,
-                 mask=mask, cache=cache, dtype=dtype, platform=platform)
+  checked = dict(
+      return_weights=return_weights,
+      return_logits=return_logits,
+      dropout=dropout,
+      mask=mask,
+      cache=cache,
+      dtype=dtype,
+      platform=platform,
+  )
   if return_weights or return_logits or cache:
     return 'xla'
   candidates = []
   if min(q_length, kv_length) >= FUSED_MIN_LENGTH:
-    candidates += [name for name in FUSED.get(platform, ())
-                   if name != 'cudnn' or _cudnn_is_fastest(spec)]
+    candidates += [
+        name for name in FUSED.get(platform, ()) if name != 'cudnn' or _cudnn_is_fastest(spec)
+    ]
   fits = weights_bytes(spec, batch, q_length, kv_length) <= MATERIALISE_MAX_BYTES
   if fits and (platform != 'cpu' or kv_length < CPU_BLOCKWISE_MIN_LENGTH):
     candidates.append('xla')
@@ -206,31 +243,47 @@ def _cudnn_is_fastest(spec: AttentionSpec) -> bool:
   key_width = spec.key_dim + (spec.num_heads if spec.use_bias else 0)
   widths = fused.cudnn_widths(key_width, spec.head_dim, mla=False)
   return widths == fused.cudnn_widths(key_width, spec.head_dim, mla=True) or (
-      fused.cudnn_accepts_value_width())
+      fused.cudnn_accepts_value_width()
+  )
 
 
 _logged: set[str] = set()
 
 
-def log_choice(name: str, implementation: str, *, platform: str | None, dtype,
-               q_length: int, kv_length: int) -> None:
+def log_choice(
+    name: str, implementation: str, *, platform: str | None, dtype, q_length: int, kv_length: int
+) -> None:
   """Logs 'attention: encoder self-attention -> cudnn (gpu, bfloat16, L=512)', once per
   process for each distinct line (every layer of a model makes the same choice)."""
   lengths = f'L={q_length}' if q_length == kv_length else f'q={q_length}, kv={kv_length}'
   dtype_name = jnp.dtype(dtype).name if dtype is not None else 'float32'
-  line = (f'attention: {name} -> {implementation} ({platform or jax.default_backend()}, '
-          f'{dtype_name}, {lengths})')
+  line = (
+      f'attention: {name} -> {implementation} ({platform or jax.default_backend()}, '
+      f'{dtype_name}, {lengths})'
+  )
   if line not in _logged:
     _logged.add(line)
     logging.info('%s', line)
 
 
-def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Array, value: Array,
-           content_bias: Array | None, *, mask: Array | None = None, is_causal: bool = False,
-           segment_ids: tuple[Array, Array] | None = None, rng: Array | None = None,
-           dropout_rate: float = 0.0, broadcast_dropout: bool = True,
-           implementation: str = 'blockwise', block_size: int = DEFAULT_BLOCK_SIZE,
-           precision=None) -> Array:
+def attend(
+    params: dict[str, Array],
+    spec: AttentionSpec,
+    query: Array,
+    key: Array,
+    value: Array,
+    content_bias: Array | None,
+    *,
+    mask: Array | None = None,
+    is_causal: bool = False,
+    segment_ids: tuple[Array, Array] | None = None,
+    rng: Array | None = None,
+    dropout_rate: float = 0.0,
+    broadcast_dropout: bool = True,
+    implementation: str = 'blockwise',
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    precision=None,
+) -> Array:
   """Per-head attention outputs `[batch..., q, heads, head_dim]` of `spec.kind`, without ever
   materialising `[batch, heads, q, kv]`.
 
@@ -255,17 +308,30 @@ def attend(params: dict[str, Array], spec: AttentionSpec, query: Array, key: Arr
       post = params['post_softmax_mixing'].astype(jnp.float32)
   if implementation == 'blockwise':
     return blockwise.blockwise_attention(
-        query, key, value, key_bias=key_bias, mask=mask, is_causal=is_causal,
-        pre_mixing=pre, post_mixing=post, dropout_rng=rng, dropout_rate=dropout_rate,
-        broadcast_dropout=broadcast_dropout, block_size=block_size, precision=precision)
+        query,
+        key,
+        value,
+        key_bias=key_bias,
+        mask=mask,
+        is_causal=is_causal,
+        pre_mixing=pre,
+        post_mixing=post,
+        dropout_rng=rng,
+        dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout,
+        block_size=block_size,
+        precision=precision,
+    )
   if implementation == 'pallas':
-    return pallas_gpu.flash_attention(query, key, value, key_bias=key_bias,
-                                      segment_ids=segment_ids, is_causal=is_causal)
+    return pallas_gpu.flash_attention(
+        query, key, value, key_bias=key_bias, segment_ids=segment_ids, is_causal=is_causal
+    )
   if key_bias is not None:  # as h extra key columns, one-hot on the query side
     one_hot = jnp.broadcast_to(jnp.eye(h, dtype=query.dtype), (*query.shape[:-1], h))
     query = jnp.concatenate([query, one_hot], axis=-1)
     key = jnp.concatenate(
-        [key, jnp.swapaxes(key_bias, -1, -2)[..., :, None, :].astype(key.dtype)], axis=-1)
+        [key, jnp.swapaxes(key_bias, -1, -2)[..., :, None, :].astype(key.dtype)], axis=-1
+    )
   if implementation == 'cudnn':
     return fused.cudnn_attention(query, key, value, mask, is_causal)
   return fused.splash_attention(query, key, value, is_causal, h, segment_ids)

@@ -33,8 +33,9 @@ CUDNN_MLA_VERSION = 91000
 CUDNN_MLA_CAPABILITY = (9, 0)
 
 
-def cudnn_accepts_value_width(cudnn_version: int | None = None,
-                              compute_capability: str | None = None) -> bool:
+def cudnn_accepts_value_width(
+    cudnn_version: int | None = None, compute_capability: str | None = None
+) -> bool:
   """Whether cuDNN computes attention with values narrower or wider than keys.
 
   cudnn_version: as cuDNN reports it (9.10.0 = 91000); compute_capability: '9.0'. None: those
@@ -56,6 +57,7 @@ def _local_cudnn() -> tuple[int | None, str | None]:
   """(cuDNN version, compute capability) of this machine's first GPU, or (None, None)."""
   try:
     from jax._src.cudnn import fused_attention_stablehlo as cudnn  # GPU-only dependency
+
     return cudnn.check_cudnn_version(), jax.devices('gpu')[0].compute_capability
   except (ImportError, RuntimeError):
     return None, None
@@ -90,8 +92,9 @@ def cudnn_attention(query, key, value, mask, is_causal):
     key = jnp.broadcast_to(key, (*key.shape[:-2], value.shape[-2], key.shape[-1]))
   mla = key.shape[-1] != dv and cudnn_accepts_value_width()
   dk_cudnn, dv_cudnn = cudnn_widths(key.shape[-1], dv, mla)
-  flat = lambda x, d: jnp.pad(x.reshape(-1, *x.shape[-3:]),
-                              ((0, 0), (0, 0), (0, 0), (0, d - x.shape[-1])))
+  flat = lambda x, d: jnp.pad(
+      x.reshape(-1, *x.shape[-3:]), ((0, 0), (0, 0), (0, 0), (0, d - x.shape[-1]))
+  )
   query, key, value = flat(query, dk_cudnn), flat(key, dk_cudnn), flat(value, dv_cudnn)
   pad_q, pad_kv = q_length % 2, kv_length % 2
   if pad_kv and mask is None:
@@ -105,12 +108,19 @@ def cudnn_attention(query, key, value, mask, is_causal):
   query, key, value = along(query, pad_q), along(key, pad_kv), along(value, pad_kv)
   if dk_cudnn != dv_cudnn:
     from jax._src.cudnn import fused_attention_stablehlo as cudnn  # GPU-only dependency
+
     out = cudnn.dot_product_attention(
-        query, key, value, mask=mask, scale=1.0,
-        mask_type=cudnn.MaskType.CAUSAL if is_causal else cudnn.MaskType.NO_MASK)
+        query,
+        key,
+        value,
+        mask=mask,
+        scale=1.0,
+        mask_type=cudnn.MaskType.CAUSAL if is_causal else cudnn.MaskType.NO_MASK,
+    )
   else:
-    out = jax.nn.dot_product_attention(query, key, value, mask=mask, scale=1.0,
-                                       is_causal=is_causal, implementation='cudnn')
+    out = jax.nn.dot_product_attention(
+        query, key, value, mask=mask, scale=1.0, is_causal=is_causal, implementation='cudnn'
+    )
   out = out[:, :q_length, :, :dv]
   if mask is not None:  # our contract: a query that sees no key outputs 0
     mask = mask[..., :q_length, :kv_length]
@@ -131,7 +141,10 @@ def splash_attention(query, key, value, is_causal, heads, segment_ids=None):
   implementation does.
   """
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # TPU-only dependency
-      splash_attention_kernel as splash, splash_attention_mask as splash_mask)
+      splash_attention_kernel as splash,
+      splash_attention_mask as splash_mask,
+  )
+
   batch_shape = query.shape[:-3]
   q_length, kv_length = query.shape[-3], key.shape[-3]
   # Collaborative: splash wants a key per value head. Its multi-query kernel (make_splash_mqa)
@@ -153,16 +166,17 @@ def splash_attention(query, key, value, is_causal, heads, segment_ids=None):
   batch = math.prod(batch_shape)
   if segment_ids is not None:
     q_ids, kv_ids = flat_ids(segment_ids[0], q_length, q_padded), flat_ids(
-        segment_ids[1], kv_length, kv_padded)
+        segment_ids[1], kv_length, kv_padded
+    )
   elif kv_padded != kv_length:  # only to hide the padded keys
     q_ids = jnp.ones((batch, q_padded), jnp.int32)
     kv_ids = flat_ids(jnp.ones((kv_length,), jnp.int32), kv_length, kv_padded)
   shape = (q_padded, kv_padded)
   one = splash_mask.CausalMask(shape) if is_causal else splash_mask.FullMask(shape)
-  kernel = splash.make_splash_mha(splash_mask.MultiHeadMask((one,) * heads), head_shards=1,
-                                  q_seq_shards=1)
-  operands = (head_major(query, q_padded), head_major(key, kv_padded),
-              head_major(value, kv_padded))
+  kernel = splash.make_splash_mha(
+      splash_mask.MultiHeadMask((one,) * heads), head_shards=1, q_seq_shards=1
+  )
+  operands = (head_major(query, q_padded), head_major(key, kv_padded), head_major(value, kv_padded))
   if segment_ids is not None or kv_padded != kv_length:
     operands += (splash.SegmentIds(q=q_ids, kv=kv_ids),)
   out = _per_batch_shard(jax.vmap(kernel), batch, *operands)
@@ -205,4 +219,3 @@ def _sees_any_key(q_ids: Array, kv_ids: Array, is_causal: bool) -> Array:
   if is_causal:
     sees &= jnp.take_along_axis(order, first, axis=-1) <= jnp.arange(q_ids.shape[-1])
   return sees
-

@@ -36,7 +36,8 @@ class HardConcrete:
     if not (low < 0 and high > 1):
       raise ValueError(
           f'gate stretch={self.stretch!r} must satisfy low < 0 and high > 1, '
-          'otherwise gates can never be exactly closed/open and the L0 penalty is undefined.')
+          'otherwise gates can never be exactly closed/open and the L0 penalty is undefined.'
+      )
 
   def _stretch_and_clip(self, s):
     low, high = self.stretch

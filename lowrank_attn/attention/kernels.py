@@ -40,16 +40,28 @@ def dot_product_logits(query: Array, key: Array, scale: float, precision=None) -
   # CPU backend is about 2x slower on batch dimensions that sit between free ones.
   query, key = jnp.swapaxes(query, -2, -3), jnp.swapaxes(key, -2, -3)
   if heads == kv_heads:
-    return jnp.einsum('...hqd,...hkd->...hqk', query, key, precision=precision,
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum(
+        '...hqd,...hkd->...hqk', query, key, precision=precision, preferred_element_type=jnp.float32
+    )
   grouped = query.reshape(*query.shape[:-3], kv_heads, heads // kv_heads, *query.shape[-2:])
-  logits = jnp.einsum('...hgqd,...hkd->...hgqk', grouped, key, precision=precision,
-                      preferred_element_type=jnp.float32)
+  logits = jnp.einsum(
+      '...hgqd,...hkd->...hgqk',
+      grouped,
+      key,
+      precision=precision,
+      preferred_element_type=jnp.float32,
+  )
   return logits.reshape(*logits.shape[:-4], heads, *logits.shape[-2:])
 
 
-def collaborative_logits(query: Array, key: Array, mixing: Array, scale: float,
-                         content_bias: Array | None = None, precision=None) -> Array:
+def collaborative_logits(
+    query: Array,
+    key: Array,
+    mixing: Array,
+    scale: float,
+    content_bias: Array | None = None,
+    precision=None,
+) -> Array:
   """Head i: `scale * ((Q diag(m_i)) K^T + 1 (X_k c_i)^T)` (Cordonnier et al. 2020, eq. 7).
 
   query `[..., q, key_dim]` and key `[..., k, key_dim]` are shared by all heads, mixing is
@@ -58,8 +70,9 @@ def collaborative_logits(query: Array, key: Array, mixing: Array, scale: float,
   """
   # [..., h, q, key_dim]: heads x queries form the rows of one matrix product per example.
   mixed = query[..., None, :, :] * (mixing * scale).astype(query.dtype)[:, None, :]
-  logits = jnp.einsum('...hqd,...kd->...hqk', mixed, key, precision=precision,
-                      preferred_element_type=jnp.float32)
+  logits = jnp.einsum(
+      '...hqd,...kd->...hqk', mixed, key, precision=precision, preferred_element_type=jnp.float32
+  )
   if content_bias is not None:
     bias = jnp.swapaxes(content_bias, -1, -2).astype(jnp.float32) * scale  # [..., h, k]
     logits = logits + bias[..., :, None, :]
@@ -90,12 +103,18 @@ def _dense(x: Array, kernel: Array, bias: Array | None, precision, in_axes: int 
   in_shape, out_shape = kernel.shape[:in_axes], kernel.shape[in_axes:]
   fan_in = math.prod(in_shape)
   y = jnp.matmul(x.reshape(-1, fan_in), kernel.reshape(fan_in, -1), precision=precision)
-  y = y.reshape(*x.shape[:x.ndim - in_axes], *out_shape)
+  y = y.reshape(*x.shape[: x.ndim - in_axes], *out_shape)
   return y if bias is None else y + bias
 
 
-def project(params: Params, spec: AttentionSpec, inputs_q: Array, inputs_k: Array,
-            inputs_v: Array, precision=None) -> tuple[Array, Array, Array, Array | None]:
+def project(
+    params: Params,
+    spec: AttentionSpec,
+    inputs_q: Array,
+    inputs_k: Array,
+    inputs_v: Array,
+    precision=None,
+) -> tuple[Array, Array, Array, Array | None]:
   """Queries, keys, values and (collaborative) key-content bias, in the inputs' dtype."""
   p = params.get
   value = _dense(inputs_v, p('value_kernel'), p('value_bias'), precision)
@@ -114,12 +133,19 @@ def project(params: Params, spec: AttentionSpec, inputs_q: Array, inputs_k: Arra
   return query, key, value, content_bias
 
 
-def logits(params: Params, spec: AttentionSpec, query: Array, key: Array,
-           content_bias: Array | None, precision=None) -> Array:
+def logits(
+    params: Params,
+    spec: AttentionSpec,
+    query: Array,
+    key: Array,
+    content_bias: Array | None,
+    precision=None,
+) -> Array:
   """Per-head logits of `spec.kind`, float32 `[..., heads, q, k]`, before masking."""
   if spec.kind == 'collaborative':
-    return collaborative_logits(query, key, params['mixing'], spec.logit_scale, content_bias,
-                                precision)
+    return collaborative_logits(
+        query, key, params['mixing'], spec.logit_scale, content_bias, precision
+    )
   result = dot_product_logits(query, key, spec.logit_scale, precision)
   if spec.kind == 'talking_heads':
     result = mix_heads(result, params['pre_softmax_mixing'], precision)
@@ -129,8 +155,9 @@ def logits(params: Params, spec: AttentionSpec, query: Array, key: Array,
 # --------------------------------------------------------------------------- decoding cache
 
 
-def init_cache(spec: AttentionSpec, batch_shape: tuple[int, ...], max_length: int,
-               dtype=jnp.float32) -> dict[str, Array]:
+def init_cache(
+    spec: AttentionSpec, batch_shape: tuple[int, ...], max_length: int, dtype=jnp.float32
+) -> dict[str, Array]:
   """An empty autoregressive cache: projected keys/values of up to `max_length` positions.
 
   Collaborative layers cache one shared key of width key_dim per position instead of
@@ -139,11 +166,15 @@ def init_cache(spec: AttentionSpec, batch_shape: tuple[int, ...], max_length: in
   batch_shape = tuple(batch_shape)
   h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
   if spec.is_dot_product:
-    cache = {'key': jnp.zeros((*batch_shape, max_length, spec.key_heads, d), dtype),
-             'value': jnp.zeros((*batch_shape, max_length, hkv, d), dtype)}
+    cache = {
+        'key': jnp.zeros((*batch_shape, max_length, spec.key_heads, d), dtype),
+        'value': jnp.zeros((*batch_shape, max_length, hkv, d), dtype),
+    }
   else:
-    cache = {'key': jnp.zeros((*batch_shape, max_length, spec.key_dim), dtype),
-             'value': jnp.zeros((*batch_shape, max_length, h, d), dtype)}
+    cache = {
+        'key': jnp.zeros((*batch_shape, max_length, spec.key_dim), dtype),
+        'value': jnp.zeros((*batch_shape, max_length, h, d), dtype),
+    }
     if spec.use_bias:
       cache['content_bias'] = jnp.zeros((*batch_shape, max_length, h), dtype)
   cache['index'] = jnp.zeros((), jnp.int32)
@@ -154,9 +185,13 @@ def _append_to_cache(cache, key, value, content_bias, length_axis):
   """Write this step's keys/values at `cache['index']`; return the cache and all keys/values."""
   index = cache['index']
   write = lambda buffer, new: jax.lax.dynamic_update_slice_in_dim(
-      buffer, new.astype(buffer.dtype), index, axis=length_axis)
-  new_cache = {'key': write(cache['key'], key), 'value': write(cache['value'], value),
-               'index': index + key.shape[length_axis]}
+      buffer, new.astype(buffer.dtype), index, axis=length_axis
+  )
+  new_cache = {
+      'key': write(cache['key'], key),
+      'value': write(cache['value'], value),
+      'index': index + key.shape[length_axis],
+  }
   if content_bias is not None:
     new_cache['content_bias'] = write(cache['content_bias'], content_bias)
   return new_cache
@@ -170,49 +205,69 @@ def _check_inputs(params, spec, inputs_q, inputs_k, inputs_v, cache):
   missing = sorted(set(expected) - set(params))
   unexpected = sorted(set(params) - set(expected))
   if missing or unexpected:
-    raise ValueError(f'params do not match the spec (kind={spec.kind!r}): missing {missing}, '
-                     f'unexpected {unexpected}.')
+    raise ValueError(
+        f'params do not match the spec (kind={spec.kind!r}): missing {missing}, '
+        f'unexpected {unexpected}.'
+    )
   for name, shape in expected.items():
     if tuple(params[name].shape) != shape:
-      raise ValueError(f"params['{name}'] has shape {tuple(params[name].shape)}, "
-                       f'expected {shape} for {spec}.')
+      raise ValueError(
+          f"params['{name}'] has shape {tuple(params[name].shape)}, "
+          f'expected {shape} for {spec}.'
+      )
   if inputs_q.ndim < 2:
-    raise ValueError(f'inputs_q has shape {inputs_q.shape}: expected [batch..., length, '
-                     'features].')
-  for name, array, width in (('inputs_q', inputs_q, spec.in_features),
-                             ('inputs_k', inputs_k, spec.in_kv_features),
-                             ('inputs_v', inputs_v, spec.in_kv_features)):
+    raise ValueError(
+        f'inputs_q has shape {inputs_q.shape}: expected [batch..., length, ' 'features].'
+    )
+  for name, array, width in (
+      ('inputs_q', inputs_q, spec.in_features),
+      ('inputs_k', inputs_k, spec.in_kv_features),
+      ('inputs_v', inputs_v, spec.in_kv_features),
+  ):
     if array.shape[-1] != width or array.shape[:-2] != inputs_q.shape[:-2]:
-      raise ValueError(f'{name} has shape {array.shape}: expected [batch..., length, {width}] '
-                       f'with the batch dims of inputs_q {inputs_q.shape[:-2]}.')
+      raise ValueError(
+          f'{name} has shape {array.shape}: expected [batch..., length, {width}] '
+          f'with the batch dims of inputs_q {inputs_q.shape[:-2]}.'
+      )
   if inputs_k.shape[-2] != inputs_v.shape[-2]:
-    raise ValueError(f'inputs_k and inputs_v lengths differ: {inputs_k.shape[-2]} vs '
-                     f'{inputs_v.shape[-2]}.')
+    raise ValueError(
+        f'inputs_k and inputs_v lengths differ: {inputs_k.shape[-2]} vs ' f'{inputs_v.shape[-2]}.'
+    )
   if cache is not None:
     if inputs_k.shape[-2] != inputs_q.shape[-2]:
-      raise ValueError('a decoding cache is for self-attention: inputs_k must have the length '
-                       f'of inputs_q ({inputs_q.shape[-2]}), got {inputs_k.shape[-2]}.')
+      raise ValueError(
+          'a decoding cache is for self-attention: inputs_k must have the length '
+          f'of inputs_q ({inputs_q.shape[-2]}), got {inputs_k.shape[-2]}.'
+      )
     max_length = cache['value'].shape[inputs_q.ndim - 2]
     if inputs_q.shape[-2] > max_length:
-      raise ValueError(f'decoding {inputs_q.shape[-2]} positions at once exceeds the cache '
-                       f'length {max_length}.')
+      raise ValueError(
+          f'decoding {inputs_q.shape[-2]} positions at once exceeds the cache '
+          f'length {max_length}.'
+      )
 
 
 def _check_segment_ids(segment_ids, batch_shape, q_length, kv_length) -> None:
   """ValueError unless `segment_ids` is an integer (query, key) pair of the right lengths."""
   if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
-    raise ValueError('segment_ids must be a (query_segment_ids, key_segment_ids) pair, got '
-                     f'{type(segment_ids).__name__}.')
-  for name, ids, length in (('query', segment_ids[0], q_length),
-                            ('key', segment_ids[1], kv_length)):
+    raise ValueError(
+        'segment_ids must be a (query_segment_ids, key_segment_ids) pair, got '
+        f'{type(segment_ids).__name__}.'
+    )
+  for name, ids, length in (
+      ('query', segment_ids[0], q_length),
+      ('key', segment_ids[1], kv_length),
+  ):
     if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
       raise ValueError(f'{name} segment_ids must be integers, got {jnp.result_type(ids)}.')
-    core.check_broadcastable(f'{name} segment_ids', jnp.shape(ids), (*batch_shape, length),
-                             f'[batch..., {name}_length]')
+    core.check_broadcastable(
+        f'{name} segment_ids', jnp.shape(ids), (*batch_shape, length), f'[batch..., {name}_length]'
+    )
 
 
-def _without_heads(params, spec, inputs_q, inputs_k, cache, dtype, return_weights,
-                   return_logits) -> AttentionOutput:
+def _without_heads(
+    params, spec, inputs_q, inputs_k, cache, dtype, return_weights, return_logits
+) -> AttentionOutput:
   """A fully pruned layer (num_heads=0): its output is its output bias."""
   q_length = inputs_q.shape[-2]
   out = jnp.zeros((*inputs_q.shape[:-1], spec.out_features), dtype)
@@ -223,8 +278,9 @@ def _without_heads(params, spec, inputs_q, inputs_k, cache, dtype, return_weight
     kv_length = cache['value'].shape[inputs_q.ndim - 2]
     cache = {**cache, 'index': cache['index'] + q_length}
   empty = jnp.zeros((*inputs_q.shape[:-2], 0, q_length, kv_length), jnp.float32)
-  return AttentionOutput(out, empty if return_weights else None, cache,
-                         empty if return_logits else None)
+  return AttentionOutput(
+      out, empty if return_weights else None, cache, empty if return_logits else None
+  )
 
 
 def multi_head_attention(
@@ -312,37 +368,58 @@ def multi_head_attention(
     raise ValueError('rng is required when deterministic=False and dropout_rate > 0 or gated.')
 
   if dtype is None:
-    dtype = jnp.result_type(inputs_q, inputs_k, inputs_v,
-                            *(v for name, v in params.items() if name != 'gate_log_alpha'))
-  options = dict(return_weights=return_weights, return_logits=return_logits,
-                 dropout=not deterministic and dropout_rate > 0.0, mask=mask is not None,
-                 cache=cache is not None, dtype=dtype, platform=platform)
+    dtype = jnp.result_type(
+        inputs_q, inputs_k, inputs_v, *(v for name, v in params.items() if name != 'gate_log_alpha')
+    )
+  options = dict(
+      return_weights=return_weights,
+      return_logits=return_logits,
+      dropout=not deterministic and dropout_rate > 0.0,
+      mask=mask is not None,
+      cache=cache is not None,
+      dtype=dtype,
+      platform=platform,
+  )
   if implementation == 'auto':
     q_length = inputs_q.shape[-2]
-    kv_length = cache['value'].shape[inputs_q.ndim - 2] if cache is not None else (
-        inputs_k.shape[-2])
+    kv_length = (
+        cache['value'].shape[inputs_q.ndim - 2] if cache is not None else (inputs_k.shape[-2])
+    )
     implementation = dispatch.choose_implementation(
-        spec, q_length=q_length, kv_length=kv_length, batch=math.prod(inputs_q.shape[:-2]),
-        **options)
+        spec,
+        q_length=q_length,
+        kv_length=kv_length,
+        batch=math.prod(inputs_q.shape[:-2]),
+        **options,
+    )
     if name is not None and cache is None:
-      dispatch.log_choice(name, implementation, platform=platform, dtype=dtype,
-                          q_length=q_length, kv_length=kv_length)
+      dispatch.log_choice(
+          name,
+          implementation,
+          platform=platform,
+          dtype=dtype,
+          q_length=q_length,
+          kv_length=kv_length,
+      )
   dispatch.check_implementation(implementation, spec, block_size=block_size, **options)
   # Gate parameters stay float32: they only enter through float32 sigmoids.
-  params = {name: value if name == 'gate_log_alpha' else jnp.asarray(value, dtype)
-            for name, value in params.items()}
+  params = {
+      name: value if name == 'gate_log_alpha' else jnp.asarray(value, dtype)
+      for name, value in params.items()
+  }
   inputs_q, inputs_k, inputs_v = (jnp.asarray(x, dtype) for x in (inputs_q, inputs_k, inputs_v))
   batch_shape = inputs_q.shape[:-2]
   length_axis = len(batch_shape)
   if spec.num_heads == 0:
-    return _without_heads(params, spec, inputs_q, inputs_k, cache, dtype, return_weights,
-                          return_logits)
+    return _without_heads(
+        params, spec, inputs_q, inputs_k, cache, dtype, return_weights, return_logits
+    )
 
-  query, key, value, content_bias = project(params, spec, inputs_q, inputs_k, inputs_v,
-                                            precision)
+  query, key, value, content_bias = project(params, spec, inputs_q, inputs_k, inputs_v, precision)
   if cache is not None:
-    step_mask = core.causal_mask(inputs_q.shape[-2], cache['value'].shape[length_axis],
-                                 offset=cache['index'])
+    step_mask = core.causal_mask(
+        inputs_q.shape[-2], cache['value'].shape[length_axis], offset=cache['index']
+    )
     cache = _append_to_cache(cache, key, value, content_bias, length_axis)
     key, value, content_bias = cache['key'], cache['value'], cache.get('content_bias')
     mask = core.combine_masks(mask, step_mask)
@@ -350,26 +427,37 @@ def multi_head_attention(
     mask = core.combine_masks(mask, core.causal_mask(inputs_q.shape[-2], inputs_k.shape[-2]))
 
   if segment_ids is not None:
-    _check_segment_ids(segment_ids, batch_shape, query.shape[length_axis],
-                       key.shape[length_axis])
+    _check_segment_ids(segment_ids, batch_shape, query.shape[length_axis], key.shape[length_axis])
     if implementation not in dispatch.SEGMENT_ID_IMPLEMENTATIONS:  # take the mask instead
       mask = core.combine_masks(mask, core.segment_mask(*segment_ids))
       segment_ids = None
 
   if implementation != 'xla':  # [..., q, h, d], never materialising [..., h, q, k]
     heads = dispatch.attend(
-        params, spec, query, key, value, content_bias, mask=mask,
-        is_causal=is_causal and cache is None, segment_ids=segment_ids,
+        params,
+        spec,
+        query,
+        key,
+        value,
+        content_bias,
+        mask=mask,
+        is_causal=is_causal and cache is None,
+        segment_ids=segment_ids,
         rng=rng if not deterministic and dropout_rate > 0.0 else None,
-        dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
-        implementation=implementation, block_size=block_size, precision=precision)
+        dropout_rate=dropout_rate,
+        broadcast_dropout=broadcast_dropout,
+        implementation=implementation,
+        block_size=block_size,
+        precision=precision,
+    )
     scores = returned_weights = None
   else:
     scores = logits(params, spec, query, key, content_bias, precision)
     if mask is not None:
       mask = jnp.asarray(mask).astype(bool)
-      core.check_broadcastable('mask', mask.shape, scores.shape,
-                               '[batch..., heads, q_length, kv_length]')
+      core.check_broadcastable(
+          'mask', mask.shape, scores.shape, '[batch..., heads, q_length, kv_length]'
+      )
     weights = core.masked_softmax(scores, mask)
     if spec.kind == 'talking_heads':
       weights = mix_heads(weights, params['post_softmax_mixing'].astype(jnp.float32), precision)
@@ -382,12 +470,16 @@ def multi_head_attention(
 
   head_scale = head_mask
   if head_scale is not None:
-    core.check_broadcastable('head_mask', jnp.shape(head_scale), (*batch_shape, spec.num_heads),
-                             '[batch..., heads]')
+    core.check_broadcastable(
+        'head_mask', jnp.shape(head_scale), (*batch_shape, spec.num_heads), '[batch..., heads]'
+    )
   if spec.gated:
     log_alpha = params['gate_log_alpha']
-    gates = (spec.gate.deterministic(log_alpha) if deterministic
-             else spec.gate.sample(jax.random.fold_in(rng, 1), log_alpha))
+    gates = (
+        spec.gate.deterministic(log_alpha)
+        if deterministic
+        else spec.gate.sample(jax.random.fold_in(rng, 1), log_alpha)
+    )
     head_scale = gates if head_scale is None else head_scale * gates
   if head_scale is not None:
     heads = heads * jnp.asarray(head_scale, dtype)[..., None, :, None]

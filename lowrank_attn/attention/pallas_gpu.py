@@ -52,10 +52,18 @@ BLOCK_K = 64
 MIN_WIDTH = 16  # Triton's smallest dot operand
 
 
-def flash_attention(query: Array, key: Array, value: Array, *, key_bias: Array | None = None,
-                    segment_ids: tuple[Array, Array] | None = None, is_causal: bool = False,
-                    block_q: int = BLOCK_Q, block_k: int = BLOCK_K,
-                    interpret: bool | None = None) -> Array:
+def flash_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    key_bias: Array | None = None,
+    segment_ids: tuple[Array, Array] | None = None,
+    is_causal: bool = False,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+    interpret: bool | None = None
+) -> Array:
   """softmax(q k^T + key_bias, masked) v per head, as one fused kernel (and two backward).
 
   Args:
@@ -91,18 +99,28 @@ def flash_attention(query: Array, key: Array, value: Array, *, key_bias: Array |
   v = operand(value, kv_padded, dv)
   if key_bias is not None:
     key_bias = jnp.broadcast_to(key_bias, (*batch_shape, heads, kv_length))
-    key_bias = jnp.pad(key_bias.reshape(batch, heads, kv_length).astype(jnp.float32),
-                       ((0, 0), (0, 0), (0, kv_padded - kv_length)))
+    key_bias = jnp.pad(
+        key_bias.reshape(batch, heads, kv_length).astype(jnp.float32),
+        ((0, 0), (0, 0), (0, kv_padded - kv_length)),
+    )
   q_ids = kv_ids = None
   if segment_ids is not None:
+
     def flat_ids(ids, length, padded):  # [batch..., L] -> int32 [B, L_padded], padding 0
       ids = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), (*batch_shape, length))
       return jnp.pad(ids.reshape(batch, length), ((0, 0), (0, padded - length)))
+
     q_ids = flat_ids(segment_ids[0], q_length, q_padded)
     kv_ids = flat_ids(segment_ids[1], kv_length, kv_padded)
-  config = _Config(block_q=bq, block_k=bk, kv_length=kv_length, is_causal=bool(is_causal),
-                   key_groups=heads // key_heads, value_groups=heads // value_heads,
-                   interpret=bool(interpret))
+  config = _Config(
+      block_q=bq,
+      block_k=bk,
+      kv_length=kv_length,
+      is_causal=bool(is_causal),
+      key_groups=heads // key_heads,
+      value_groups=heads // value_heads,
+      interpret=bool(interpret),
+  )
   out = _flash(config, q, k, v, key_bias, q_ids, kv_ids)
   return out[:, :q_length, :, :dv].reshape(*batch_shape, q_length, heads, dv)
 
@@ -110,6 +128,7 @@ def flash_attention(query: Array, key: Array, value: Array, *, key_bias: Array |
 @dataclasses.dataclass(frozen=True)
 class _Config:
   """Static settings of one call (hashable: a custom_vjp non-differentiable argument)."""
+
   block_q: int
   block_k: int
   kv_length: int  # before padding to whole blocks
@@ -121,9 +140,15 @@ class _Config:
   def call(self, kernel, grid, in_specs, out_specs, out_shape, width, name):
     """`pl.pallas_call` with this call's compiler settings (those of jax's Triton attention)."""
     return pl.pallas_call(
-        functools.partial(kernel, config=self), grid=grid, in_specs=in_specs,
-        out_specs=out_specs, out_shape=out_shape, interpret=self.interpret, name=name,
-        compiler_params=plgpu.CompilerParams(num_warps=4 if width <= 64 else 8, num_stages=2))
+        functools.partial(kernel, config=self),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=self.interpret,
+        name=name,
+        compiler_params=plgpu.CompilerParams(num_warps=4 if width <= 64 else 8, num_stages=2),
+    )
 
 
 # Operand layouts (grid axes (block, batch b, head h)): q, k, v, outputs `[B, L, heads, d]`,
@@ -175,12 +200,12 @@ def _kv_blocks(config, i, kv_padded):
   count = kv_padded // config.block_k
   if not config.is_causal:
     return count
-  return jnp.minimum(count, lax.div((i + 1) * config.block_q + config.block_k - 1,
-                                    config.block_k))
+  return jnp.minimum(count, lax.div((i + 1) * config.block_q + config.block_k - 1, config.block_k))
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_ids_ref, kv_ids_ref, o_ref, lse_ref, *,
-                    config):
+def _forward_kernel(
+    q_ref, k_ref, v_ref, bias_ref, q_ids_ref, kv_ids_ref, o_ref, lse_ref, *, config
+):
   bq, bk = config.block_q, config.block_k
   i = pl.program_id(0)
   q = q_ref[...]
@@ -188,8 +213,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_ids_ref, kv_ids_ref, o_ref,
 
   def body(j, carry):
     acc, m, l = carry
-    s = _scores(config, q, k_ref[pl.ds(j * bk, bk), :], i * bq, j * bk, bias_ref, q_ids,
-                kv_ids_ref)
+    s = _scores(config, q, k_ref[pl.ds(j * bk, bk), :], i * bq, j * bk, bias_ref, q_ids, kv_ids_ref)
     m_next = jnp.maximum(m, jnp.max(s, axis=1))
     shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # a row with no key yet: p = 0
     p = jnp.exp(s - shift[:, None])
@@ -200,8 +224,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, q_ids_ref, kv_ids_ref, o_ref,
 
   acc = jnp.zeros((bq, v_ref.shape[-1]), jnp.float32)
   m = jnp.full((bq,), -jnp.inf, jnp.float32)
-  acc, m, l = lax.fori_loop(0, _kv_blocks(config, i, k_ref.shape[0]), body,
-                            (acc, m, jnp.zeros((bq,), jnp.float32)))
+  acc, m, l = lax.fori_loop(
+      0, _kv_blocks(config, i, k_ref.shape[0]), body, (acc, m, jnp.zeros((bq,), jnp.float32))
+  )
   sees = l > 0
   o_ref[...] = (acc / jnp.where(sees, l, 1.0)[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(sees, m + jnp.log(jnp.where(sees, l, 1.0)), jnp.inf)
@@ -212,17 +237,26 @@ def _forward(config, q, k, v, bias, q_ids, kv_ids):
   batch, q_padded, heads, dk = q.shape
   kv_padded, dv = k.shape[1], v.shape[-1]
   bq = config.block_q
-  in_specs = [_rows(dk, bq), _rows(dk, (kv_padded,), config.key_groups),
-              _rows(dv, (kv_padded,), config.value_groups),
-              None if bias is None else _per_head(kv_padded),
-              None if q_ids is None else _ids(q_padded, bq),
-              None if kv_ids is None else _ids(kv_padded)]
+  in_specs = [
+      _rows(dk, bq),
+      _rows(dk, (kv_padded,), config.key_groups),
+      _rows(dv, (kv_padded,), config.value_groups),
+      None if bias is None else _per_head(kv_padded),
+      None if q_ids is None else _ids(q_padded, bq),
+      None if kv_ids is None else _ids(kv_padded),
+  ]
   return config.call(
-      _forward_kernel, (q_padded // bq, batch, heads), in_specs,
+      _forward_kernel,
+      (q_padded // bq, batch, heads),
+      in_specs,
       [_rows(dv, bq), _per_head(q_padded, bq)],
-      [jax.ShapeDtypeStruct((batch, q_padded, heads, dv), v.dtype),
-       jax.ShapeDtypeStruct((batch, heads, q_padded), jnp.float32)],
-      max(dk, dv), 'lowrank_flash_forward')(q, k, v, bias, q_ids, kv_ids)
+      [
+          jax.ShapeDtypeStruct((batch, q_padded, heads, dv), v.dtype),
+          jax.ShapeDtypeStruct((batch, heads, q_padded), jnp.float32),
+      ],
+      max(dk, dv),
+      'lowrank_flash_forward',
+  )(q, k, v, bias, q_ids, kv_ids)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -235,8 +269,20 @@ def _flash_fwd(config, q, k, v, bias, q_ids, kv_ids):
   return out, (q, k, v, bias, q_ids, kv_ids, out, lse)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, q_ids_ref, kv_ids_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *, config):
+def _dq_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    bias_ref,
+    q_ids_ref,
+    kv_ids_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    config
+):
   bq, bk = config.block_q, config.block_k
   i = pl.program_id(0)
   q, do = q_ref[...], do_ref[...]
@@ -250,13 +296,27 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, q_ids_ref, kv_ids_ref, do_ref, lse
     ds = p * (dp - delta)
     return dq + plgpu.dot(ds.astype(k.dtype), k, allow_tf32=False)
 
-  dq = lax.fori_loop(0, _kv_blocks(config, i, k_ref.shape[0]), body,
-                     jnp.zeros(q.shape, jnp.float32))
+  dq = lax.fori_loop(
+      0, _kv_blocks(config, i, k_ref.shape[0]), body, jnp.zeros(q.shape, jnp.float32)
+  )
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, q_ids_ref, kv_ids_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *dbias_ref, config):
+def _dkv_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    bias_ref,
+    q_ids_ref,
+    kv_ids_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *dbias_ref,
+    config
+):
   bq, bk = config.block_q, config.block_k
   j = pl.program_id(0)
   k, v = k_ref[...], v_ref[...]
@@ -277,9 +337,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, q_ids_ref, kv_ids_ref, do_ref, ls
   # Causal: query blocks before this key block's first key see none of it.
   first = lax.div(j * bk, bq) if config.is_causal else 0
   dk, dv, dbias = lax.fori_loop(
-      first, q_ref.shape[0] // bq, body,
-      (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32),
-       jnp.zeros((bk,), jnp.float32)))
+      first,
+      q_ref.shape[0] // bq,
+      body,
+      (
+          jnp.zeros(k.shape, jnp.float32),
+          jnp.zeros(v.shape, jnp.float32),
+          jnp.zeros((bk,), jnp.float32),
+      ),
+  )
   dk_ref[...], dv_ref[...] = dk, dv
   if dbias_ref:
     dbias_ref[0][...] = dbias
@@ -299,33 +365,65 @@ def _flash_bwd(config, residuals, d_out):
   value_spec = _rows(dv, (kv_padded,), config.value_groups)
   bias_spec = None if bias is None else _per_head(kv_padded)
   dq = config.call(
-      _dq_kernel, (q_padded // bq, batch, heads),
-      [_rows(dk, bq), key_spec, value_spec, bias_spec,
-       None if q_ids is None else _ids(q_padded, bq), None if kv_ids is None else _ids(kv_padded),
-       _rows(dv, bq), _per_head(q_padded, bq), _per_head(q_padded, bq)],
-      _rows(dk, bq), jax.ShapeDtypeStruct(q.shape, q.dtype), max(dk, dv),
-      'lowrank_flash_dq')(*operands)
+      _dq_kernel,
+      (q_padded // bq, batch, heads),
+      [
+          _rows(dk, bq),
+          key_spec,
+          value_spec,
+          bias_spec,
+          None if q_ids is None else _ids(q_padded, bq),
+          None if kv_ids is None else _ids(kv_padded),
+          _rows(dv, bq),
+          _per_head(q_padded, bq),
+          _per_head(q_padded, bq),
+      ],
+      _rows(dk, bq),
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      max(dk, dv),
+      'lowrank_flash_dq',
+  )(*operands)
 
   out_specs = [_rows(dk, bk), _rows(dv, bk)]
-  out_shape = [jax.ShapeDtypeStruct((batch, kv_padded, heads, dk), jnp.float32),
-               jax.ShapeDtypeStruct((batch, kv_padded, heads, dv), jnp.float32)]
+  out_shape = [
+      jax.ShapeDtypeStruct((batch, kv_padded, heads, dk), jnp.float32),
+      jax.ShapeDtypeStruct((batch, kv_padded, heads, dv), jnp.float32),
+  ]
   if bias is not None:
     out_specs.append(_per_head(kv_padded, bk))
     out_shape.append(jax.ShapeDtypeStruct(bias.shape, jnp.float32))
   grads = config.call(
-      _dkv_kernel, (kv_padded // bk, batch, heads),
-      [_rows(dk, (q_padded,)), _rows(dk, bk, config.key_groups),
-       _rows(dv, bk, config.value_groups), bias_spec,
-       None if q_ids is None else _ids(q_padded), None if kv_ids is None else _ids(kv_padded),
-       _rows(dv, (q_padded,)), _per_head(q_padded), _per_head(q_padded)],
-      out_specs, out_shape, max(dk, dv), 'lowrank_flash_dkv')(*operands)
+      _dkv_kernel,
+      (kv_padded // bk, batch, heads),
+      [
+          _rows(dk, (q_padded,)),
+          _rows(dk, bk, config.key_groups),
+          _rows(dv, bk, config.value_groups),
+          bias_spec,
+          None if q_ids is None else _ids(q_padded),
+          None if kv_ids is None else _ids(kv_padded),
+          _rows(dv, (q_padded,)),
+          _per_head(q_padded),
+          _per_head(q_padded),
+      ],
+      out_specs,
+      out_shape,
+      max(dk, dv),
+      'lowrank_flash_dkv',
+  )(*operands)
 
   def per_shared_head(x, groups, like):  # [B, kv, heads, d] -> [B, kv, heads / groups, d]
     return x.reshape(batch, kv_padded, heads // groups, groups, -1).sum(3).astype(like.dtype)
 
   d_bias = grads[2] if bias is not None else None
-  return (dq, per_shared_head(grads[0], config.key_groups, k),
-          per_shared_head(grads[1], config.value_groups, v), d_bias, None, None)
+  return (
+      dq,
+      per_shared_head(grads[0], config.key_groups, k),
+      per_shared_head(grads[1], config.value_groups, v),
+      d_bias,
+      None,
+      None,
+  )
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -174,20 +174,23 @@ class AttentionSpec:
     if self.mixing_init not in MIXING_INITS:
       raise ValueError(f'mixing_init={self.mixing_init!r} is not one of {MIXING_INITS}.')
     if self.implementation not in IMPLEMENTATIONS:
-      raise ValueError(
-          f'implementation={self.implementation!r} is not one of {IMPLEMENTATIONS}.')
+      raise ValueError(f'implementation={self.implementation!r} is not one of {IMPLEMENTATIONS}.')
     _require_int('block_size', self.block_size)
     if self.platform not in (None, *PLATFORMS):
       raise ValueError(f'platform={self.platform!r} is not None or one of {PLATFORMS}.')
     if not (isinstance(self.dropout_rate, (int, float)) and 0.0 <= self.dropout_rate < 1.0):
       raise ValueError(f'dropout_rate={self.dropout_rate!r} must be in [0, 1).')
     init = self.gate_log_alpha_init
-    if not (init in GATE_INITS if isinstance(init, str)
-            else isinstance(init, (int, float)) and not isinstance(init, bool)):
+    if not (
+        init in GATE_INITS
+        if isinstance(init, str)
+        else isinstance(init, (int, float)) and not isinstance(init, bool)
+    ):
       raise ValueError(f'gate_log_alpha_init={init!r} must be a number or one of {GATE_INITS}.')
     self.gate  # validates the gate settings
     if self.logit_scale is not None and not (
-        isinstance(self.logit_scale, (int, float)) and self.logit_scale > 0):
+        isinstance(self.logit_scale, (int, float)) and self.logit_scale > 0
+    ):
       raise ValueError(f'logit_scale={self.logit_scale!r} must be a number > 0.')
     for name in ('num_heads', 'num_logit_heads'):
       value = getattr(self, name)
@@ -198,18 +201,22 @@ class AttentionSpec:
         if h is not None or name == 'num_heads':
           _require_int(name, h, 0, ' (0: a fully pruned layer)')
     if self.num_logit_heads is not None and self.kind != 'talking_heads':
-      raise ValueError(f'num_logit_heads={self.num_logit_heads} is only used by '
-                       f"kind='talking_heads' (got kind={self.kind!r}).")
+      raise ValueError(
+          f'num_logit_heads={self.num_logit_heads} is only used by '
+          f"kind='talking_heads' (got kind={self.kind!r})."
+      )
     for name in ('qkv_features', 'head_dim', 'key_dim', 'num_kv_heads', *SIZE_FIELDS):
       if getattr(self, name) is not None:
         _require_int(name, getattr(self, name))
     if self.kind == 'fixed_head' and self.head_dim is None:
       raise ValueError(
           "kind='fixed_head' needs head_dim (an integer >= 1): the head size is chosen "
-          'independently of num_heads, e.g. the sequence length (Bhojanapalli et al.).')
+          'independently of num_heads, e.g. the sequence length (Bhojanapalli et al.).'
+      )
     if self.kind != 'collaborative' and self.key_dim is not None:
       raise ValueError(
-          f"key_dim={self.key_dim} is only used by kind='collaborative' (got kind={self.kind!r}).")
+          f"key_dim={self.key_dim} is only used by kind='collaborative' (got kind={self.kind!r})."
+      )
     if self.is_template:
       return
     self._resolve_sizes()
@@ -217,8 +224,11 @@ class AttentionSpec:
   @property
   def is_template(self) -> bool:
     """True until the sizes are known: no in_features, or head counts per layer."""
-    return (self.in_features is None or isinstance(self.num_heads, tuple)
-            or isinstance(self.num_logit_heads, tuple))
+    return (
+        self.in_features is None
+        or isinstance(self.num_heads, tuple)
+        or isinstance(self.num_logit_heads, tuple)
+    )
 
   @property
   def gate(self) -> HardConcrete:
@@ -245,8 +255,9 @@ class AttentionSpec:
 
   def options(self) -> dict:
     """The fields a template carries (everything but the sizes a model sets)."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name not in SIZE_FIELDS}
+    return {
+        f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in SIZE_FIELDS
+    }
 
   def _resolve_sizes(self):
     resolve = lambda name, value: object.__setattr__(self, name, value)
@@ -257,20 +268,24 @@ class AttentionSpec:
     # head_dim and qkv_features = num_heads * head_dim: give either one, or both consistently.
     h = self.num_heads
     if h == 0 and self.head_dim is None:
-      raise ValueError('num_heads=0 (a fully pruned layer) needs head_dim: the width its '
-                       'output projection expects per head.')
+      raise ValueError(
+          'num_heads=0 (a fully pruned layer) needs head_dim: the width its '
+          'output projection expects per head.'
+      )
     if self.head_dim is None:
       qkv = self.in_features if self.qkv_features is None else self.qkv_features
       if qkv % h:
         raise ValueError(
             f'qkv_features={qkv} must be divisible by num_heads={h} (valid num_heads: '
             f"divisors of {qkv}); kind='fixed_head' with head_dim=... sets the head size "
-            'freely.')
+            'freely.'
+        )
       resolve('head_dim', qkv // h)
     if self.qkv_features is not None and self.qkv_features != h * self.head_dim:
       raise ValueError(
           f'qkv_features={self.qkv_features} conflicts with num_heads * head_dim = '
-          f'{h} * {self.head_dim}; give only one of qkv_features and head_dim.')
+          f'{h} * {self.head_dim}; give only one of qkv_features and head_dim.'
+      )
     resolve('qkv_features', h * self.head_dim)
 
     if self.kind == 'collaborative':
@@ -279,18 +294,21 @@ class AttentionSpec:
       if self.num_kv_heads not in (None, h):
         raise ValueError(
             f"num_kv_heads={self.num_kv_heads} is not supported by kind='collaborative': its "
-            'keys are already shared by all heads; leave num_kv_heads=None.')
+            'keys are already shared by all heads; leave num_kv_heads=None.'
+        )
       if self.normalize_qk:
         raise ValueError(
-            "normalize_qk=True is only defined for dot-product kinds "
-            f'{DOT_PRODUCT_KINDS}, not collaborative.')
+            'normalize_qk=True is only defined for dot-product kinds '
+            f'{DOT_PRODUCT_KINDS}, not collaborative.'
+        )
 
     if self.num_kv_heads is None:
       resolve('num_kv_heads', h)
     if h % max(self.num_kv_heads, 1):
       raise ValueError(
           f'num_heads={h} must be divisible by num_kv_heads={self.num_kv_heads} '
-          f'(valid num_kv_heads: divisors of {h}).')
+          f'(valid num_kv_heads: divisors of {h}).'
+      )
 
     if self.kind == 'talking_heads':
       if self.num_logit_heads is None:
@@ -298,7 +316,8 @@ class AttentionSpec:
       if self.num_logit_heads != h and self.num_kv_heads != h:
         raise ValueError(
             f'num_logit_heads={self.num_logit_heads} != num_heads={h} needs num_kv_heads=None '
-            f'(got {self.num_kv_heads}): grouped keys/values are not defined for it.')
+            f'(got {self.num_kv_heads}): grouped keys/values are not defined for it.'
+        )
 
     if self.logit_scale is None:
       width = self.key_dim / max(h, 1) if self.kind == 'collaborative' else self.head_dim

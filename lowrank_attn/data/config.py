@@ -14,6 +14,7 @@ import ml_collections
 from lowrank_attn import schema
 from lowrank_attn.data import tokenizers
 
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """What to read and how to turn it into batches (fields as in the comments).

@@ -22,7 +22,6 @@ from tensorflow_datasets.core.utils import tqdm_utils
 
 from lowrank_attn.data import builders
 
-
 DatasetSpec = builders.DatasetSpec
 # Ours, one builder module each (`builders/`): 'tiny_shakespeare', 'shakespeare', 'multi30k',
 # 'multi30k_captions', 'ud_english_ewt', 'glue/<task>', ...
@@ -80,11 +79,16 @@ def check_name(name: str, tfds_data_dir: str | os.PathLike) -> None:
 
 def _unknown_name_message(name: str, tfds_data_dir: str) -> str:
   # TFDS's own error lists its 250 names; ours are the ones to offer.
-  without_tf = ('' if importlib.util.find_spec('tensorflow') else
-                ' (TFDS knows some official names only with TensorFlow installed, and it is not)')
-  return (f'config.data.name={name!r} is not a data set: ours are {", ".join(sorted(DATASETS))}; '
-          'any other must be an official TFDS name (e.g. lm1b, wmt14_translate/de-en) or one '
-          f'prepared under data.tfds_data_dir={tfds_data_dir!r}{without_tf}.')
+  without_tf = (
+      ''
+      if importlib.util.find_spec('tensorflow')
+      else ' (TFDS knows some official names only with TensorFlow installed, and it is not)'
+  )
+  return (
+      f'config.data.name={name!r} is not a data set: ours are {", ".join(sorted(DATASETS))}; '
+      'any other must be an official TFDS name (e.g. lm1b, wmt14_translate/de-en) or one '
+      f'prepared under data.tfds_data_dir={tfds_data_dir!r}{without_tf}.'
+  )
 
 
 def default_tfds_data_dir(workdir: str | os.PathLike | None) -> str:

@@ -84,8 +84,9 @@ class RowFormat:
     """How the pipeline packs rows of several whole examples itself; None: `rows` makes them."""
     return None
 
-  def rows(self, ds: grain.IterDataset, config: DataConfig, *, batch_size: int,
-           train: bool) -> grain.IterDataset:
+  def rows(
+      self, ds: grain.IterDataset, config: DataConfig, *, batch_size: int, train: bool
+  ) -> grain.IterDataset:
     """Encoded examples -> fixed-length rows with the keys of `row_spec` (unless
     `first_fit_packing` gives the rows)."""
     raise NotImplementedError
@@ -94,14 +95,18 @@ class RowFormat:
     """Shape (without the batch dimension) and dtype of every array of a row."""
     raise NotImplementedError
 
-  def element_spec(self, config: DataConfig, *, batch_size: int,
-                   train: bool) -> dict[str, ArraySpec]:
+  def element_spec(
+      self, config: DataConfig, *, batch_size: int, train: bool
+  ) -> dict[str, ArraySpec]:
     """Shape and dtype of every array of a finished batch (after `finish_batch`)."""
-    return {k: ArraySpec((batch_size, *v.shape), v.dtype)
-            for k, v in self.row_spec(config, train=train).items()}
+    return {
+        k: ArraySpec((batch_size, *v.shape), v.dtype)
+        for k, v in self.row_spec(config, train=train).items()
+    }
 
-  def finish_batch(self, batch: dict[str, np.ndarray], *, tokenizer, config: DataConfig,
-                   rng: np.random.Generator) -> dict[str, np.ndarray]:
+  def finish_batch(
+      self, batch: dict[str, np.ndarray], *, tokenizer, config: DataConfig, rng: np.random.Generator
+  ) -> dict[str, np.ndarray]:
     """A batch of rows -> the batch the model reads (e.g. masked-LM corruption)."""
     return batch
 
@@ -116,4 +121,3 @@ def concat_rows(examples, encode, key: str, max_length: int) -> int:
   counting the tokens of `encode(example)[key]`."""
   tokens = sum(len(encode(examples[i])[key]) for i in range(len(examples)))
   return math.ceil(tokens / max_length)
-

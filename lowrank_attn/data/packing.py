@@ -58,8 +58,9 @@ class Encoded:
     return {k: v[self.starts[k][i] : self.starts[k][i + 1]] for k, v in self.tokens.items()}
 
   @classmethod
-  def encode(cls, source, encoder: Callable[[dict], dict[str, np.ndarray]],
-             chunk: int = 1024) -> Encoded:
+  def encode(
+      cls, source, encoder: Callable[[dict], dict[str, np.ndarray]], chunk: int = 1024
+  ) -> Encoded:
     """`encoder(example)` of every example of `source` (random access, in order)."""
     pieces: dict[str, list[np.ndarray]] = {}
     for begin in range(0, len(source), chunk):  # batched reads are ~4x faster than single ones
@@ -74,8 +75,11 @@ class Encoded:
 
   def to_bytes(self) -> bytes:
     buffer = io.BytesIO()
-    np.savez(buffer, **{f'tokens/{k}': v for k, v in self.tokens.items()},
-             **{f'starts/{k}': v for k, v in self.starts.items()})
+    np.savez(
+        buffer,
+        **{f'tokens/{k}': v for k, v in self.tokens.items()},
+        **{f'starts/{k}': v for k, v in self.starts.items()},
+    )
     return buffer.getvalue()
 
   @classmethod
@@ -106,8 +110,9 @@ def load_or_encode(source, encoder, path: str | os.PathLike | None, write) -> En
   return encoded
 
 
-def first_fit(lengths: np.ndarray, max_length: int, num_bins: int,
-              group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
+def first_fit(
+    lengths: np.ndarray, max_length: int, num_bins: int, group: int = GROUP
+) -> tuple[np.ndarray, np.ndarray]:
   """First-fit packing of examples into rounds of `num_bins` rows, run on groups of `group`
   consecutive examples at once.
 
@@ -135,8 +140,10 @@ def first_fit(lengths: np.ndarray, max_length: int, num_bins: int,
     if value < 1:
       raise ValueError(f'{name}={value}; must be >= 1')
   if lengths.size and (lengths.max() > max_length or lengths.min() < 0):
-    raise ValueError(f'lengths range over [{lengths.min()}, {lengths.max()}]; every one must '
-                     f'be in [0, max_length={max_length}]')
+    raise ValueError(
+        f'lengths range over [{lengths.min()}, {lengths.max()}]; every one must '
+        f'be in [0, max_length={max_length}]'
+    )
   n, k = lengths.shape
   group = max(1, min(group, n))
   num_groups = -(-n // group)
@@ -204,9 +211,11 @@ def gather_rows(
     within = np.arange(int(lengths.sum())) - np.repeat(first, lengths)
     source = np.repeat(encoded.starts[key][ids], lengths) + within
     target = np.repeat(rows * max_length + offsets[:, column], lengths) + within
-    for name, values in ((key, encoded.tokens[key][source]),
-                         (f'{key}_segment_ids', np.repeat(segment_ids, lengths)),
-                         (f'{key}_positions', within)):
+    for name, values in (
+        (key, encoded.tokens[key][source]),
+        (f'{key}_segment_ids', np.repeat(segment_ids, lengths)),
+        (f'{key}_positions', within),
+    ):
       flat = np.zeros(num_rows * max_length, np.int32)
       flat[target] = values
       out[name] = flat.reshape(num_rows, max_length)
@@ -234,9 +243,18 @@ class PackedDataset:
   next, so no example is dropped at an epoch's end.
   """
 
-  def __init__(self, encoded: Encoded, ids: np.ndarray, *, keys: Sequence[str], max_length: int,
-               batch_size: int, seed: int, finish: Callable[[Rows], Rows],
-               window: int = WINDOW):
+  def __init__(
+      self,
+      encoded: Encoded,
+      ids: np.ndarray,
+      *,
+      keys: Sequence[str],
+      max_length: int,
+      batch_size: int,
+      seed: int,
+      finish: Callable[[Rows], Rows],
+      window: int = WINDOW,
+  ):
     if not len(ids):
       raise ValueError('No example to pack (every one was filtered out).')
     if window < 1:
@@ -282,9 +300,18 @@ class PackedIterator:
       w = self._current()
       take = min(needed, w.num_rows - self._row)
       begin, end = w.row_starts[self._row], w.row_starts[self._row + take]
-      pieces.append(gather_rows(d.encoded, d.keys, w.ids[begin:end],
-                                w.rows[begin:end] - self._row, w.offsets[begin:end],
-                                w.segment_ids[begin:end], take, d.max_length))
+      pieces.append(
+          gather_rows(
+              d.encoded,
+              d.keys,
+              w.ids[begin:end],
+              w.rows[begin:end] - self._row,
+              w.offsets[begin:end],
+              w.segment_ids[begin:end],
+              take,
+              d.max_length,
+          )
+      )
       needed -= take
       self._row += take
       if self._row == w.num_rows:  # on to the next window (of the next epoch, after the last)
@@ -292,8 +319,11 @@ class PackedIterator:
         self._window_index += 1
         if self._window_index == d.windows_per_epoch:
           self._epoch, self._window_index = self._epoch + 1, 0
-    rows = pieces[0] if len(pieces) == 1 else {
-        k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+    rows = (
+        pieces[0]
+        if len(pieces) == 1
+        else {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+    )
     return d.finish(rows)
 
   def get_state(self) -> dict[str, int]:
@@ -302,9 +332,12 @@ class PackedIterator:
   def set_state(self, state: dict[str, int]) -> None:
     epoch, window, row = (int(state[k]) for k in ('epoch', 'window', 'row'))
     if epoch < 0 or not 0 <= window < self.dataset.windows_per_epoch or row < 0:
-      raise ValueError(f'Packed-stream state {state} is out of range (epoch >= 0, window in '
-                       f'[0, {self.dataset.windows_per_epoch}), row >= 0).')
+      raise ValueError(
+          f'Packed-stream state {state} is out of range (epoch >= 0, window in '
+          f'[0, {self.dataset.windows_per_epoch}), row >= 0).'
+      )
     self._epoch, self._window_index, self._row, self._window = epoch, window, row, None
     if row >= self._current().num_rows:
-      raise ValueError(f'Packed-stream state {state}: that window has only '
-                       f'{self._current().num_rows} rows.')
+      raise ValueError(
+          f'Packed-stream state {state}: that window has only ' f'{self._current().num_rows} rows.'
+      )

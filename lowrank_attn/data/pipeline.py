@@ -108,8 +108,11 @@ def make_pipeline(
     encoded = None
     if format.first_fit_packing(config, train=train) is not None:
       encoder = format.encoder(tokenizer, fields, config, truncate=False)
-      path = None if workdir is None else _encoded_cache_path(config, split, format, encoder,
-                                                              len(source), workdir)
+      path = (
+          None
+          if workdir is None
+          else _encoded_cache_path(config, split, format, encoder, len(source), workdir)
+      )
       encoded = packing_lib.load_or_encode(source, encoder, path, tokenizers_lib.write_atomically)
     return source, fields, tokenizer, encoded
 
@@ -175,8 +178,10 @@ def _load_source(config: DataConfig, fmt: RowFormat, split: str, tfds_data_dir: 
   features = _file_features(config, fmt)
   if len(paths) != len(features) or not all(paths):
     form = 'file:' + ':'.join(f.upper() for f in features)
-    raise ValueError(f'split={split!r}: task={fmt.name!r} reads text files as {form!r} '
-                     f'(features {features}).')
+    raise ValueError(
+        f'split={split!r}: task={fmt.name!r} reads text files as {form!r} '
+        f'(features {features}).'
+    )
   return datasets.load_text_files(dict(zip(features, paths)))
 
 
@@ -200,12 +205,14 @@ def _text_fields(config: DataConfig, fmt: RowFormat, source) -> tuple[str, ...]:
   return fields
 
 
-def _encoded_cache_path(config: DataConfig, split: str, fmt: RowFormat, encoder, num_examples: int,
-                        workdir) -> str:
+def _encoded_cache_path(
+    config: DataConfig, split: str, fmt: RowFormat, encoder, num_examples: int, workdir
+) -> str:
   """The whole split encoded once (`packing.Encoded`), named by what the encoding depends on."""
   name = re.sub(r'[^A-Za-z0-9_.-]', '_', f'{config.name}_{split}_{fmt.name}')
-  return os.path.join(os.fspath(workdir), 'encoded',
-                      f'{name}_{packing_lib.fingerprint(encoder, num_examples)}.npz')
+  return os.path.join(
+      os.fspath(workdir), 'encoded', f'{name}_{packing_lib.fingerprint(encoder, num_examples)}.npz'
+  )
 
 
 def _tokenizer_cache_path(config: DataConfig, fields, workdir) -> str | None:
@@ -222,8 +229,9 @@ def _tokenizer_cache_path(config: DataConfig, fields, workdir) -> str | None:
   return cache_path
 
 
-def load_tokenizer(data_config, workdir: str | os.PathLike, *,
-                   format: RowFormat) -> tokenizers_lib.Tokenizer:  # pylint: disable=redefined-builtin
+def load_tokenizer(
+    data_config, workdir: str | os.PathLike, *, format: RowFormat
+) -> tokenizers_lib.Tokenizer:  # pylint: disable=redefined-builtin
   """The tokenizer a run in `workdir` trained (or its WordPiece vocabulary), never training one.
 
   For reading a finished run without its data (`python -m lowrank_attn.translate`).
@@ -232,11 +240,18 @@ def load_tokenizer(data_config, workdir: str | os.PathLike, *,
   config = as_data_config(data_config)
   path = _tokenizer_cache_path(config, _file_features(config, format), workdir)
   if path is not None and not os.path.exists(path):
-    raise FileNotFoundError(f'no {config.tokenizer} tokenizer at {path} (the run trains it '
-                            'before its first step; set data.tokenizer_path if it is elsewhere)')
+    raise FileNotFoundError(
+        f'no {config.tokenizer} tokenizer at {path} (the run trains it '
+        'before its first step; set data.tokenizer_path if it is elsewhere)'
+    )
   return tokenizers_lib.load_or_train(
-      config.tokenizer, cache_path=path, training_texts=None, vocab_size=config.vocab_size,
-      model_type=config.sentencepiece_model_type, vocab_path=config.vocab_path)
+      config.tokenizer,
+      cache_path=path,
+      training_texts=None,
+      vocab_size=config.vocab_size,
+      model_type=config.sentencepiece_model_type,
+      vocab_path=config.vocab_path,
+  )
 
 
 def _load_tokenizer(
@@ -334,8 +349,9 @@ class Pipeline:
     if self._first_fit is None:
       self._dataset = self._build(source)
     else:
-      self._dataset = self._build_packed(encoded or packing_lib.Encoded.encode(
-          source, self._encoder(truncate=False)))
+      self._dataset = self._build_packed(
+          encoded or packing_lib.Encoded.encode(source, self._encoder(truncate=False))
+      )
     self._iterator = None
     self._step = 0  # batches served in this pass (train: since the start)
     self._exhausted = False  # eval: the pass has ended
@@ -365,9 +381,15 @@ class Pipeline:
     if self._train_filter is not None:
       ids = [i for i in ids if self._train_filter(encoded.example(i))]
     return packing_lib.PackedDataset(
-        encoded, np.asarray(ids, np.int64), keys=self._first_fit.keys,
-        max_length=self.max_length, batch_size=self.batch_size, seed=self.seed,
-        finish=self._first_fit.finish, window=packing_lib.WINDOW)
+        encoded,
+        np.asarray(ids, np.int64),
+        keys=self._first_fit.keys,
+        max_length=self.max_length,
+        batch_size=self.batch_size,
+        seed=self.seed,
+        finish=self._first_fit.finish,
+        window=packing_lib.WINDOW,
+    )
 
   def _build(self, source) -> grain.IterDataset:
     c = self.config
@@ -434,8 +456,10 @@ class Pipeline:
   def _finish_batch(self, batch) -> dict[str, np.ndarray]:
     spec = self.element_spec
     if batch is None:  # rows of padding only
-      batch = {k: np.zeros((0, *v.shape), v.dtype)
-               for k, v in self.format.row_spec(self.config, train=self.train).items()}
+      batch = {
+          k: np.zeros((0, *v.shape), v.dtype)
+          for k, v in self.format.row_spec(self.config, train=self.train).items()
+      }
     rows = len(next(iter(batch.values())))
     if rows < self.batch_size:  # the last evaluation batch: pad with weight-0 rows
       batch = {
@@ -546,7 +570,8 @@ class Pipeline:
           f'This state holds no {self._iterator_kind!r} position (it has '
           f"{sorted(k for k in ('grain', 'first_fit') if k in state)}): it was saved by a "
           'pipeline that made its rows another way (before first-fit packing moved out of '
-          'grain, say), so the data order would not continue.')
+          'grain, say), so the data order would not continue.'
+      )
     self._current_iterator().set_state(_from_json(state[self._iterator_kind]))
     self._step = int(state['step'])
     self._exhausted = bool(state['exhausted'])

@@ -50,9 +50,11 @@ class RenamePacked:
     self.keys, self.length_key = keys, length_key
 
   def __call__(self, packed):
-    return {**{k: packed[k] for k in self.keys},
-            'segment_ids': packed[f'{self.length_key}_segment_ids'],
-            'positions': packed[f'{self.length_key}_positions']}
+    return {
+        **{k: packed[k] for k in self.keys},
+        'segment_ids': packed[f'{self.length_key}_segment_ids'],
+        'positions': packed[f'{self.length_key}_positions'],
+    }
 
 
 def concat_then_split(it, lengths: dict[str, int], length_key: str):

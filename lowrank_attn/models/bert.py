@@ -39,17 +39,27 @@ def bert_config(hf_config: Mapping[str, Any], **overrides) -> TransformerConfig:
   act = {'gelu': 'gelu_exact', 'gelu_new': 'gelu', 'relu': 'relu'}.get(hf_config['hidden_act'])
   if act is None:
     raise ValueError(f"hidden_act={hf_config['hidden_act']!r} is not supported.")
-  attention = AttentionSpec(num_heads=hf_config['num_attention_heads'],
-                              dropout_rate=hf_config.get('attention_probs_dropout_prob', 0.0))
+  attention = AttentionSpec(
+      num_heads=hf_config['num_attention_heads'],
+      dropout_rate=hf_config.get('attention_probs_dropout_prob', 0.0),
+  )
   fields = dict(
-      vocab_size=hf_config['vocab_size'], emb_dim=hf_config['hidden_size'],
-      mlp_dim=hf_config['intermediate_size'], num_encoder_layers=hf_config['num_hidden_layers'],
-      num_decoder_layers=0, encoder_attention=attention,
-      max_length=hf_config['max_position_embeddings'], positions='learned', norm='post',
-      activation=act, dropout_rate=hf_config.get('hidden_dropout_prob', 0.0),
-      tie_embeddings=True, scale_embeddings=False,
+      vocab_size=hf_config['vocab_size'],
+      emb_dim=hf_config['hidden_size'],
+      mlp_dim=hf_config['intermediate_size'],
+      num_encoder_layers=hf_config['num_hidden_layers'],
+      num_decoder_layers=0,
+      encoder_attention=attention,
+      max_length=hf_config['max_position_embeddings'],
+      positions='learned',
+      norm='post',
+      activation=act,
+      dropout_rate=hf_config.get('hidden_dropout_prob', 0.0),
+      tie_embeddings=True,
+      scale_embeddings=False,
       type_vocab_size=hf_config.get('type_vocab_size', 0),
-      layer_norm_epsilon=hf_config.get('layer_norm_eps', 1e-12))
+      layer_norm_epsilon=hf_config.get('layer_norm_eps', 1e-12),
+  )
   fields.update(overrides)
   return TransformerConfig(**fields)
 
@@ -84,16 +94,21 @@ def load_bert_weights(model, tensors: Mapping[str, np.ndarray]) -> list[str]:
   def put(variable, value, name):
     value = np.asarray(value, np.float32)
     if tuple(variable.get_value().shape) != value.shape:
-      raise ValueError(f'{name}: checkpoint shape {value.shape} != model shape '
-                       f'{tuple(variable.get_value().shape)}')
+      raise ValueError(
+          f'{name}: checkpoint shape {value.shape} != model shape '
+          f'{tuple(variable.get_value().shape)}'
+      )
     variable.set_value(value.astype(variable.get_value().dtype))
 
   embedding = model.encoder.embedding
   put(model.tokens.embed.embedding, get('embeddings.word_embeddings.weight'), 'word embeddings')
   put(embedding.position_table, get('embeddings.position_embeddings.weight'), 'positions')
   if embedding.token_types is not None:
-    put(embedding.token_types.embedding, get('embeddings.token_type_embeddings.weight'),
-        'token types')
+    put(
+        embedding.token_types.embedding,
+        get('embeddings.token_type_embeddings.weight'),
+        'token types',
+    )
   put(embedding.norm.scale, get('embeddings.LayerNorm.weight'), 'embedding LayerNorm')
   put(embedding.norm.bias, get('embeddings.LayerNorm.bias'), 'embedding LayerNorm')
   for i, layer in enumerate(model.encoder.layers):
@@ -109,8 +124,7 @@ def load_bert_weights(model, tensors: Mapping[str, np.ndarray]) -> list[str]:
     kernel, bias = _linear(get, f'{prefix}.attention.output.dense', heads, split_input=True)
     put(attention.out_kernel, kernel, f'{prefix} attention output')
     put(attention.out_bias, bias, f'{prefix} attention output')
-    put(layer.self_attention_norm.scale, get(f'{prefix}.attention.output.LayerNorm.weight'),
-        prefix)
+    put(layer.self_attention_norm.scale, get(f'{prefix}.attention.output.LayerNorm.weight'), prefix)
     put(layer.self_attention_norm.bias, get(f'{prefix}.attention.output.LayerNorm.bias'), prefix)
     for dense, theirs in ((layer.mlp.wi, 'intermediate.dense'), (layer.mlp.wo, 'output.dense')):
       kernel, bias = _linear(get, f'{prefix}.{theirs}')
@@ -132,13 +146,17 @@ def load_bert_weights(model, tensors: Mapping[str, np.ndarray]) -> list[str]:
 
 class Pooling(NamedTuple):
   """How a sentence-transformers model turns token states into one sentence embedding."""
+
   mode: str = 'mean'  # 'mean' (over non-padding tokens) | 'cls' | 'max'
   normalize: bool = True  # L2-normalise the pooled vector
 
 
 # sentence-transformers' Pooling config keys -> our modes.
-_POOLING_KEYS = {'pooling_mode_mean_tokens': 'mean', 'pooling_mode_cls_token': 'cls',
-                 'pooling_mode_max_tokens': 'max'}
+_POOLING_KEYS = {
+    'pooling_mode_mean_tokens': 'mean',
+    'pooling_mode_cls_token': 'cls',
+    'pooling_mode_max_tokens': 'max',
+}
 
 
 def sentence_pooling(model_dir: str | os.PathLike) -> Pooling:
@@ -153,8 +171,10 @@ def sentence_pooling(model_dir: str | os.PathLike) -> Pooling:
   config = json.loads((pooling_dir / 'config.json').read_text())
   chosen = [key for key, value in config.items() if key.startswith('pooling_mode') and value]
   if len(chosen) != 1 or chosen[0] not in _POOLING_KEYS:
-    raise ValueError(f'{pooling_dir / "config.json"}: pooling {chosen} is not supported; one '
-                     f'of {sorted(_POOLING_KEYS)} must be set.')
+    raise ValueError(
+        f'{pooling_dir / "config.json"}: pooling {chosen} is not supported; one '
+        f'of {sorted(_POOLING_KEYS)} must be set.'
+    )
   return Pooling(mode=_POOLING_KEYS[chosen[0]], normalize=types[-1] == 'Normalize')
 
 
@@ -181,6 +201,7 @@ def load_pretrained(model_dir: str | os.PathLike, **overrides):
   """An `EncoderMLM` holding a Hugging Face BERT directory's weights (`config.json`,
   `model.safetensors`); `overrides` change `TransformerConfig` fields (e.g. dropout_rate)."""
   import safetensors.numpy  # pylint: disable=g-import-not-at-top  (a [dev] dependency)
+
   model_dir = pathlib.Path(model_dir)
   cfg = bert_config(json.loads((model_dir / 'config.json').read_text()), **overrides)
   model = EncoderMLM(cfg, rngs=nnx.Rngs(0))

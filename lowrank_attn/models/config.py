@@ -32,8 +32,15 @@ def _is_policy(name: str) -> bool:
 # remat: 'none' (keep every activation for the backward pass), 'full' (keep only each block's
 # input; recompute the rest), or a jax checkpoint policy by name: what it may keep
 # ('dots_saveable': matrix products' outputs, recomputing the elementwise work between them).
-REMAT_POLICIES = ('none', 'full', *sorted(
-    name for name in dir(jax.checkpoint_policies) if not name.startswith('_') and _is_policy(name)))
+REMAT_POLICIES = (
+    'none',
+    'full',
+    *sorted(
+        name
+        for name in dir(jax.checkpoint_policies)
+        if not name.startswith('_') and _is_policy(name)
+    ),
+)
 DEFAULT_ATTENTION = AttentionSpec(num_heads=8)
 
 
@@ -93,9 +100,11 @@ class TransformerConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
         raise ValueError(f'{name}={value!r} must be an integer >= 0.')
-    for name, value, valid in (('positions', self.positions, POSITIONS),
-                               ('norm', self.norm, NORMS),
-                               ('activation', self.activation, ACTIVATIONS)):
+    for name, value, valid in (
+        ('positions', self.positions, POSITIONS),
+        ('norm', self.norm, NORMS),
+        ('activation', self.activation, ACTIVATIONS),
+    ):
       if value not in valid:
         raise ValueError(f'{name}={value!r} is not one of {valid}.')
     if not 0.0 <= self.dropout_rate < 1.0:
@@ -123,7 +132,8 @@ class TransformerConfig:
         if isinstance(counts, tuple) and len(counts) != num_layers:
           raise ValueError(
               f'{field}.{name}={counts} gives {len(counts)} layers, the model has '
-              f'{num_layers}; give one head count per layer, or an int.')
+              f'{num_layers}; give one head count per layer, or an int.'
+          )
       for layer in range(num_layers):
         try:
           self.attention(attention_type, layer)
@@ -153,9 +163,10 @@ class TransformerConfig:
     """One line for the start of a run: 'compute bfloat16 (dtype=auto on gpu), parameters
     float32, logits, softmax statistics and loss float32; remat none'."""
     how = f'dtype=auto on {self.platform}' if self.dtype == 'auto' else f'dtype={self.dtype}'
-    return (f'compute {self.resolved_dtype} ({how}), parameters {self.param_dtype}, logits, '
-            f'softmax statistics and loss float32; remat {self.remat}')
-
+    return (
+        f'compute {self.resolved_dtype} ({how}), parameters {self.param_dtype}, logits, '
+        f'softmax statistics and loss float32; remat {self.remat}'
+    )
 
   @property
   def parameter_dtype(self):

@@ -55,10 +55,15 @@ class LayerNorm(nnx.LayerNorm):
   """`nnx.LayerNorm` whose scale and bias carry the logical axis 'embed'."""
 
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-    super().__init__(cfg.emb_dim, epsilon=cfg.layer_norm_epsilon, dtype=cfg.compute_dtype,
-                     param_dtype=cfg.parameter_dtype, rngs=rngs,
-                     scale_metadata=logical('embed'),
-                     bias_metadata=logical('embed'))
+    super().__init__(
+        cfg.emb_dim,
+        epsilon=cfg.layer_norm_epsilon,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.parameter_dtype,
+        rngs=rngs,
+        scale_metadata=logical('embed'),
+        bias_metadata=logical('embed'),
+    )
 
 
 class TokenEmbedding(nnx.Module):
@@ -69,9 +74,14 @@ class TokenEmbedding(nnx.Module):
     # N(0, 1/D): tied logits of a unit-variance (LayerNormed) input start with unit variance;
     # scale_embeddings brings the input embeddings back to unit variance (Vaswani et al.).
     self.embed = nnx.Embed(
-        cfg.vocab_size, cfg.emb_dim, dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype,
-        embedding_init=nnx.initializers.normal(cfg.emb_dim ** -0.5), rngs=rngs,
-        embedding_metadata=logical('vocab', 'embed'))
+        cfg.vocab_size,
+        cfg.emb_dim,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.parameter_dtype,
+        embedding_init=nnx.initializers.normal(cfg.emb_dim**-0.5),
+        rngs=rngs,
+        embedding_metadata=logical('vocab', 'embed'),
+    )
 
   def __call__(self, tokens: Array) -> Array:
     return self.embed(tokens) * jnp.asarray(self.scale, self.embed.dtype or jnp.float32)
@@ -79,8 +89,10 @@ class TokenEmbedding(nnx.Module):
   def attend(self, x: Array) -> Array:
     """float32 logits `[..., vocab]`: `embed.attend`, accumulated and returned in float32
     whatever the computation dtype (bfloat16 logits would be rounded to 3 significant digits)."""
-    query, embedding = self.embed.promote_dtype((x.reshape(-1, x.shape[-1]),  # 2-D: dense_2d
-                                                 self.embed.embedding[...]), dtype=self.embed.dtype)
+    query, embedding = self.embed.promote_dtype(
+        (x.reshape(-1, x.shape[-1]), self.embed.embedding[...]),  # 2-D: dense_2d
+        dtype=self.embed.dtype,
+    )
     y = jnp.dot(query, embedding.T, preferred_element_type=jnp.float32)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -92,19 +104,43 @@ class InputEmbedding(nnx.Module):
     self.cfg = cfg
     self.tokens = tokens  # shared with the output layer and, in translation, the other stack
     # Optional parts are assigned once, module or None (NNX fixes an attribute's kind then).
-    self.position_table = _param(
-        nnx.initializers.normal(0.02), rngs, (cfg.max_length, cfg.emb_dim), cfg.parameter_dtype,
-        (None, 'embed')) if cfg.positions == 'learned' else None
-    self.token_types = nnx.Embed(
-        cfg.type_vocab_size, cfg.emb_dim, dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype,
-        embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
-        embedding_metadata=logical(None, 'embed')) if cfg.type_vocab_size else None
+    self.position_table = (
+        _param(
+            nnx.initializers.normal(0.02),
+            rngs,
+            (cfg.max_length, cfg.emb_dim),
+            cfg.parameter_dtype,
+            (None, 'embed'),
+        )
+        if cfg.positions == 'learned'
+        else None
+    )
+    self.token_types = (
+        nnx.Embed(
+            cfg.type_vocab_size,
+            cfg.emb_dim,
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.parameter_dtype,
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
+            embedding_metadata=logical(None, 'embed'),
+        )
+        if cfg.type_vocab_size
+        else None
+    )
     # BERT normalises the embedding sum; pre-LN models normalise inside every layer instead.
     self.norm = LayerNorm(cfg, rngs=rngs) if cfg.norm == 'post' else None
     self.dropout = nnx.Dropout(cfg.dropout_rate)
 
-  def __call__(self, tokens: Array, positions: Array, token_types: Array | None = None, *,
-               deterministic: bool, rngs: nnx.Rngs | None) -> Array:
+  def __call__(
+      self,
+      tokens: Array,
+      positions: Array,
+      token_types: Array | None = None,
+      *,
+      deterministic: bool,
+      rngs: nnx.Rngs | None,
+  ) -> Array:
     cfg = self.cfg
     x = self.tokens(tokens)
     if self.position_table is not None:
@@ -126,9 +162,15 @@ class Mlp(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     self.activation = ACTIVATIONS[cfg.activation]
     dense = lambda d_in, d_out, axes: nnx.Linear(
-        d_in, d_out, dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype, rngs=rngs,
+        d_in,
+        d_out,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.parameter_dtype,
+        rngs=rngs,
         kernel_init=nnx.initializers.xavier_uniform(),
-        kernel_metadata=logical(*axes), bias_metadata=logical(*axes[1:]))
+        kernel_metadata=logical(*axes),
+        bias_metadata=logical(*axes[1:]),
+    )
     self.wi = dense(cfg.emb_dim, cfg.mlp_dim, ('embed', 'mlp'))
     self.wo = dense(cfg.mlp_dim, cfg.emb_dim, ('mlp', 'embed'))
     self.dropout = nnx.Dropout(cfg.dropout_rate)
@@ -141,16 +183,25 @@ class Mlp(nnx.Module):
 
 
 # What each attention type's 'auto' implementation is logged as.
-ATTENTION_NAMES = {'encoder': 'encoder self-attention', 'decoder': 'decoder self-attention',
-                   'cross': 'cross-attention'}
+ATTENTION_NAMES = {
+    'encoder': 'encoder self-attention',
+    'decoder': 'decoder self-attention',
+    'cross': 'cross-attention',
+}
 
 
-def make_attention(cfg: TransformerConfig, attention_type: str, layer: int, *,
-                   rngs: nnx.Rngs) -> MultiHeadAttention:
+def make_attention(
+    cfg: TransformerConfig, attention_type: str, layer: int, *, rngs: nnx.Rngs
+) -> MultiHeadAttention:
   return MultiHeadAttention.from_spec(
-      cfg.attention(attention_type, layer), dtype=cfg.compute_dtype,
-      param_dtype=cfg.parameter_dtype, broadcast_dropout=False, keep_rngs=False,
-      log_name=ATTENTION_NAMES[attention_type], rngs=rngs)  # rngs come with each call
+      cfg.attention(attention_type, layer),
+      dtype=cfg.compute_dtype,
+      param_dtype=cfg.parameter_dtype,
+      broadcast_dropout=False,
+      keep_rngs=False,
+      log_name=ATTENTION_NAMES[attention_type],
+      rngs=rngs,
+  )  # rngs come with each call
 
 
 class TransformerLayer(nnx.Module):
@@ -159,8 +210,15 @@ class TransformerLayer(nnx.Module):
   Pre-LN: `x + f(LN(x))`; post-LN (Vaswani, BERT): `LN(x + f(x))`.
   """
 
-  def __init__(self, cfg: TransformerConfig, self_attention_type: str, index: int, cross: bool,
-               *, rngs: nnx.Rngs):
+  def __init__(
+      self,
+      cfg: TransformerConfig,
+      self_attention_type: str,
+      index: int,
+      cross: bool,
+      *,
+      rngs: nnx.Rngs,
+  ):
     self.cfg = cfg
     self.self_attention = make_attention(cfg, self_attention_type, index, rngs=rngs)
     self.self_attention_norm = LayerNorm(cfg, rngs=rngs)
@@ -177,26 +235,46 @@ class TransformerLayer(nnx.Module):
       x = norm(x + self.dropout(branch(x), deterministic=deterministic, rngs=rngs))
     return constrain(x, ('batch', 'length', 'embed'))
 
-  def __call__(self, x: Array, *, mask: Array | None = None, is_causal: bool = False,
-               segment_ids: tuple[Array, Array] | None = None, encoded: Array | None = None,
-               cross_mask: Array | None = None,
-               cross_segment_ids: tuple[Array, Array] | None = None, deterministic: bool,
-               rngs: nnx.Rngs | None, decode: bool = False,
-               head_masks: tuple[Array | None, Array | None] = (None, None),
-               return_weights: bool = False,
-               return_logits: bool = False) -> tuple[Array, dict[str, dict[str, Array]]]:
+  def __call__(
+      self,
+      x: Array,
+      *,
+      mask: Array | None = None,
+      is_causal: bool = False,
+      segment_ids: tuple[Array, Array] | None = None,
+      encoded: Array | None = None,
+      cross_mask: Array | None = None,
+      cross_segment_ids: tuple[Array, Array] | None = None,
+      deterministic: bool,
+      rngs: nnx.Rngs | None,
+      decode: bool = False,
+      head_masks: tuple[Array | None, Array | None] = (None, None),
+      return_weights: bool = False,
+      return_logits: bool = False,
+  ) -> tuple[Array, dict[str, dict[str, Array]]]:
     """The new activations, and `{'weights'|'logits': {'self'|'cross': [b, h, q, k]}}` of what
     was requested. `is_causal`: self-attention also hides later positions (not when decoding:
     the cache does). `segment_ids`/`cross_segment_ids`: (query, key) segment ids, 0 = padding,
     of self- and cross-attention (see `MultiHeadAttention.__call__`); the masks AND with them."""
     extras = {'weights': {}, 'logits': {}}
 
-    def attend(layer, name, head_mask, kv=None, kv_mask=None, segments=None, is_causal=False,
-               decode=False):
+    def attend(
+        layer, name, head_mask, kv=None, kv_mask=None, segments=None, is_causal=False, decode=False
+    ):
       def branch(h):
-        out = layer(h, kv, mask=kv_mask, segment_ids=segments, is_causal=is_causal,
-                    deterministic=deterministic, rngs=rngs, decode=decode, head_mask=head_mask,
-                    return_weights=return_weights, return_logits=return_logits)
+        out = layer(
+            h,
+            kv,
+            mask=kv_mask,
+            segment_ids=segments,
+            is_causal=is_causal,
+            deterministic=deterministic,
+            rngs=rngs,
+            decode=decode,
+            head_mask=head_mask,
+            return_weights=return_weights,
+            return_logits=return_logits,
+        )
         if return_logits:
           out, weights, extras['logits'][name] = out
           if return_weights:
@@ -204,22 +282,46 @@ class TransformerLayer(nnx.Module):
         elif return_weights:
           out, extras['weights'][name] = out
         return out
+
       return branch
 
     x = self._residual(
-        x, self.self_attention_norm,
-        attend(self.self_attention, 'self', head_masks[0], kv_mask=mask, segments=segment_ids,
-               is_causal=is_causal, decode=decode),
-        deterministic, rngs)
+        x,
+        self.self_attention_norm,
+        attend(
+            self.self_attention,
+            'self',
+            head_masks[0],
+            kv_mask=mask,
+            segments=segment_ids,
+            is_causal=is_causal,
+            decode=decode,
+        ),
+        deterministic,
+        rngs,
+    )
     if self.cross_attention is not None:
       x = self._residual(
-          x, self.cross_attention_norm,
-          attend(self.cross_attention, 'cross', head_masks[1], kv=encoded, kv_mask=cross_mask,
-                 segments=cross_segment_ids),
-          deterministic, rngs)
+          x,
+          self.cross_attention_norm,
+          attend(
+              self.cross_attention,
+              'cross',
+              head_masks[1],
+              kv=encoded,
+              kv_mask=cross_mask,
+              segments=cross_segment_ids,
+          ),
+          deterministic,
+          rngs,
+      )
     x = self._residual(
-        x, self.mlp_norm, lambda h: self.mlp(h, deterministic=deterministic, rngs=rngs),
-        deterministic, rngs)
+        x,
+        self.mlp_norm,
+        lambda h: self.mlp(h, deterministic=deterministic, rngs=rngs),
+        deterministic,
+        rngs,
+    )
     return x, extras
 
   def l0_penalty(self) -> Array:

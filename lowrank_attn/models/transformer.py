@@ -31,7 +31,13 @@ import jax.numpy as jnp
 
 from lowrank_attn.models.config import TransformerConfig, remat_policy
 from lowrank_attn.models.layers import (
-    ACTIVATIONS, InputEmbedding, LayerNorm, TokenEmbedding, TransformerLayer, dense_2d)
+    ACTIVATIONS,
+    InputEmbedding,
+    LayerNorm,
+    TokenEmbedding,
+    TransformerLayer,
+    dense_2d,
+)
 from lowrank_attn.nn import MultiHeadAttention
 from lowrank_attn.sharding import constrain, logical_metadata as logical
 
@@ -41,6 +47,7 @@ HeadMasks = Mapping[str, Array | Sequence[Array | None]] | None
 
 class AttentionSite(NamedTuple):
   """One attention layer of a model, and where it sits."""
+
   attention_type: str  # 'encoder' | 'decoder' (that stack's self-attention) | 'cross'
   index: int  # of its layer in the stack
   path: tuple[str | int, ...]  # in the parameter tree: ('decoder', 'layers', 1, 'cross_attention')
@@ -71,19 +78,42 @@ class Stack(nnx.Module):
   runs under `nnx.remat` (`jax.checkpoint`) with that policy, except when decoding.
   """
 
-  def __init__(self, cfg: TransformerConfig, attention_type: str, num_layers: int,
-               tokens: TokenEmbedding, *, cross: bool = False, rngs: nnx.Rngs):
+  def __init__(
+      self,
+      cfg: TransformerConfig,
+      attention_type: str,
+      num_layers: int,
+      tokens: TokenEmbedding,
+      *,
+      cross: bool = False,
+      rngs: nnx.Rngs,
+  ):
     self.attention_type = attention_type
     self.remat = cfg.remat
     self.embedding = InputEmbedding(cfg, tokens, rngs=rngs)
-    self.layers = nnx.List([TransformerLayer(cfg, attention_type, i, cross, rngs=rngs)
-                            for i in range(num_layers)])
+    self.layers = nnx.List(
+        [TransformerLayer(cfg, attention_type, i, cross, rngs=rngs) for i in range(num_layers)]
+    )
     self.final_norm = LayerNorm(cfg, rngs=rngs) if cfg.norm == 'pre' else None
 
-  def __call__(self, tokens, positions, *, mask=None, segment_ids=None, token_types=None,
-               encoded=None, cross_mask=None, cross_segment_ids=None, deterministic=True,
-               rngs=None, decode=False, head_masks: HeadMasks = None, return_weights=False,
-               return_logits=False):
+  def __call__(
+      self,
+      tokens,
+      positions,
+      *,
+      mask=None,
+      segment_ids=None,
+      token_types=None,
+      encoded=None,
+      cross_mask=None,
+      cross_segment_ids=None,
+      deterministic=True,
+      rngs=None,
+      decode=False,
+      head_masks: HeadMasks = None,
+      return_weights=False,
+      return_logits=False,
+  ):
     """Final activations and `{'attention_weights'|'attention_logits': {type: per-layer}}`.
 
     Masks and (query, key) segment ids as `TransformerLayer`'s.
@@ -93,26 +123,46 @@ class Stack(nnx.Module):
     collected = {'attention_weights': {}, 'attention_logits': {}}
 
     def run(layer, x, arrays, rngs):  # arrays as arguments, Python values closed over
-      return layer(x, **arrays, is_causal=self.attention_type == 'decoder',
-                   deterministic=deterministic, rngs=rngs, decode=decode,
-                   return_weights=return_weights, return_logits=return_logits)
+      return layer(
+          x,
+          **arrays,
+          is_causal=self.attention_type == 'decoder',
+          deterministic=deterministic,
+          rngs=rngs,
+          decode=decode,
+          return_weights=return_weights,
+          return_logits=return_logits,
+      )
+
     if self.remat != 'none' and not decode:  # recomputed in the backward pass, block by block
       run = nnx.remat(run, policy=remat_policy(self.remat))
 
     for i, layer in enumerate(self.layers):
-      arrays = dict(mask=mask, segment_ids=segment_ids, encoded=encoded, cross_mask=cross_mask,
-                    cross_segment_ids=cross_segment_ids,
-                    head_masks=(_layer_mask(head_masks, self.attention_type, i),
-                                _layer_mask(head_masks, 'cross', i)))
+      arrays = dict(
+          mask=mask,
+          segment_ids=segment_ids,
+          encoded=encoded,
+          cross_mask=cross_mask,
+          cross_segment_ids=cross_segment_ids,
+          head_masks=(
+              _layer_mask(head_masks, self.attention_type, i),
+              _layer_mask(head_masks, 'cross', i),
+          ),
+      )
       x, extras = run(layer, x, arrays, rngs)
-      for what, per_name in (('attention_weights', extras['weights']),
-                             ('attention_logits', extras['logits'])):
+      for what, per_name in (
+          ('attention_weights', extras['weights']),
+          ('attention_logits', extras['logits']),
+      ):
         for name, value in per_name.items():
           collected[what].setdefault(names[name], []).append(value)
     if self.final_norm is not None:
       x = self.final_norm(x)
-    return x, {what: {k: tuple(v) for k, v in per_type.items()}
-               for what, per_type in collected.items() if per_type}
+    return x, {
+        what: {k: tuple(v) for k, v in per_type.items()}
+        for what, per_type in collected.items()
+        if per_type
+    }
 
   def attention_sites(self) -> Iterator[AttentionSite]:
     """Every attention layer of the stack, layer by layer, self- before cross-attention.
@@ -122,12 +172,16 @@ class Stack(nnx.Module):
     """
     # A model holds its stacks as attributes named after their attention type.
     for i, layer in enumerate(self.layers):
-      yield AttentionSite(self.attention_type, i,
-                          (self.attention_type, 'layers', i, 'self_attention'),
-                          layer.self_attention)
+      yield AttentionSite(
+          self.attention_type,
+          i,
+          (self.attention_type, 'layers', i, 'self_attention'),
+          layer.self_attention,
+      )
       if layer.cross_attention is not None:
-        yield AttentionSite('cross', i, (self.attention_type, 'layers', i, 'cross_attention'),
-                            layer.cross_attention)
+        yield AttentionSite(
+            'cross', i, (self.attention_type, 'layers', i, 'cross_attention'), layer.cross_attention
+        )
 
   def attention_layers(self) -> Iterator[MultiHeadAttention]:
     """Every attention layer of the stack, self-attention and (if any) cross-attention."""
@@ -159,10 +213,20 @@ class _Model(nnx.Module):
     self.tokens = TokenEmbedding(cfg, rngs=rngs)
     # Logits in float32 under any computation dtype: the products accumulate in float32 and
     # are not rounded to bfloat16 on the way out.
-    self.output = None if cfg.tie_embeddings else nnx.Linear(
-        cfg.emb_dim, cfg.vocab_size, use_bias=False, dtype=cfg.compute_dtype,
-        param_dtype=cfg.parameter_dtype, preferred_element_type=jnp.float32, rngs=rngs,
-        kernel_metadata=logical('embed', 'vocab'))
+    self.output = (
+        None
+        if cfg.tie_embeddings
+        else nnx.Linear(
+            cfg.emb_dim,
+            cfg.vocab_size,
+            use_bias=False,
+            dtype=cfg.compute_dtype,
+            param_dtype=cfg.parameter_dtype,
+            preferred_element_type=jnp.float32,
+            rngs=rngs,
+            kernel_metadata=logical('embed', 'vocab'),
+        )
+    )
 
   def _logits(self, x: Array) -> Array:
     logits = self.tokens.attend(x) if self.output is None else dense_2d(self.output, x)
@@ -187,8 +251,12 @@ class _Model(nnx.Module):
 
   def l0_penalties(self) -> list[Array]:
     """Expected number of open gates of every gated attention layer (sum over its heads)."""
-    return [layer.l0_penalty() for stack in self.stacks() for layer in stack.attention_layers()
-            if layer.spec.gated]
+    return [
+        layer.l0_penalty()
+        for stack in self.stacks()
+        for layer in stack.attention_layers()
+        if layer.spec.gated
+    ]
 
   def l0_penalty(self) -> Array:
     """Voita et al.'s penalty: open gates summed over heads, averaged over gated layers."""
@@ -219,11 +287,19 @@ class DecoderLM(_Model):
     self._init_output(cfg, rngs)
     self.decoder = Stack(cfg, 'decoder', cfg.num_decoder_layers, self.tokens, rngs=rngs)
 
-  def __call__(self, inputs: Array, *, positions: Array | None = None,
-               segment_ids: Array | None = None, deterministic: bool = True,
-               rngs: nnx.Rngs | None = None, decode: bool = False,
-               head_masks: HeadMasks = None, return_weights: bool = False,
-               return_logits: bool = False):
+  def __call__(
+      self,
+      inputs: Array,
+      *,
+      positions: Array | None = None,
+      segment_ids: Array | None = None,
+      deterministic: bool = True,
+      rngs: nnx.Rngs | None = None,
+      decode: bool = False,
+      head_masks: HeadMasks = None,
+      return_weights: bool = False,
+      return_logits: bool = False,
+  ):
     """inputs `[batch, length]` int -> (logits `[batch, length, vocab]`, aux).
 
     With `decode=True` (after `init_cache`) the call continues the cached sequence: positions
@@ -235,10 +311,17 @@ class DecoderLM(_Model):
     else:
       segments = (inputs != 0).astype(jnp.int32) if segment_ids is None else segment_ids
       segments = (segments, segments)  # and causal: a decoder stack
-    x, extras = self.decoder(inputs, _positions(inputs, positions), segment_ids=segments,
-                             deterministic=deterministic, rngs=rngs, decode=decode,
-                             head_masks=head_masks, return_weights=return_weights,
-                             return_logits=return_logits)
+    x, extras = self.decoder(
+        inputs,
+        _positions(inputs, positions),
+        segment_ids=segments,
+        deterministic=deterministic,
+        rngs=rngs,
+        decode=decode,
+        head_masks=head_masks,
+        return_weights=return_weights,
+        return_logits=return_logits,
+    )
     return self._logits(x), self._aux(extras)
 
   def init_cache(self, batch_size: int, max_length: int | None = None) -> None:
@@ -263,43 +346,83 @@ class EncoderMLM(_Model):
     self._init_output(cfg, rngs)
     self.encoder = Stack(cfg, 'encoder', cfg.num_encoder_layers, self.tokens, rngs=rngs)
     self.head_dense = nnx.Linear(
-        cfg.emb_dim, cfg.emb_dim, dtype=cfg.compute_dtype, param_dtype=cfg.parameter_dtype,
-        rngs=rngs, kernel_metadata=logical(None, 'embed'), bias_metadata=logical('embed'))
+        cfg.emb_dim,
+        cfg.emb_dim,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.parameter_dtype,
+        rngs=rngs,
+        kernel_metadata=logical(None, 'embed'),
+        bias_metadata=logical('embed'),
+    )
     self.head_norm = LayerNorm(cfg, rngs=rngs)
     self.activation = ACTIVATIONS[cfg.activation]
-    self.output_bias = nnx.Param(jnp.zeros((cfg.vocab_size,), cfg.parameter_dtype),
-                                 **logical('vocab'))
+    self.output_bias = nnx.Param(
+        jnp.zeros((cfg.vocab_size,), cfg.parameter_dtype), **logical('vocab')
+    )
 
-  def __call__(self, inputs: Array, *, positions: Array | None = None,
-               segment_ids: Array | None = None, token_types: Array | None = None,
-               deterministic: bool = True, rngs: nnx.Rngs | None = None,
-               head_masks: HeadMasks = None, return_weights: bool = False,
-               return_logits: bool = False):
+  def __call__(
+      self,
+      inputs: Array,
+      *,
+      positions: Array | None = None,
+      segment_ids: Array | None = None,
+      token_types: Array | None = None,
+      deterministic: bool = True,
+      rngs: nnx.Rngs | None = None,
+      head_masks: HeadMasks = None,
+      return_weights: bool = False,
+      return_logits: bool = False,
+  ):
     """inputs `[batch, length]` int (with mask tokens) -> (logits, aux)."""
-    x, extras = self.encode(inputs, positions=positions, segment_ids=segment_ids,
-                            token_types=token_types, deterministic=deterministic, rngs=rngs,
-                            head_masks=head_masks, return_weights=return_weights,
-                            return_logits=return_logits)
+    x, extras = self.encode(
+        inputs,
+        positions=positions,
+        segment_ids=segment_ids,
+        token_types=token_types,
+        deterministic=deterministic,
+        rngs=rngs,
+        head_masks=head_masks,
+        return_weights=return_weights,
+        return_logits=return_logits,
+    )
     h = self.head_norm(self.activation(dense_2d(self.head_dense, x)))
     logits = self._logits(h) + self.output_bias[...].astype(jnp.float32)
     return logits, self._aux(extras)
 
-  def encode(self, inputs: Array, *, positions: Array | None = None,
-             segment_ids: Array | None = None, token_types: Array | None = None,
-             deterministic: bool = True, rngs: nnx.Rngs | None = None,
-             head_masks: HeadMasks = None, return_weights: bool = False,
-             return_logits: bool = False):
+  def encode(
+      self,
+      inputs: Array,
+      *,
+      positions: Array | None = None,
+      segment_ids: Array | None = None,
+      token_types: Array | None = None,
+      deterministic: bool = True,
+      rngs: nnx.Rngs | None = None,
+      head_masks: HeadMasks = None,
+      return_weights: bool = False,
+      return_logits: bool = False,
+  ):
     """Final hidden states `[batch, length, D]` (padding: token 0 / segment 0) and extras."""
     segments = (inputs != 0).astype(jnp.int32) if segment_ids is None else segment_ids
-    return self.encoder(inputs, _positions(inputs, positions),
-                        segment_ids=(segments, segments), token_types=token_types,
-                        deterministic=deterministic, rngs=rngs, head_masks=head_masks,
-                        return_weights=return_weights, return_logits=return_logits)
+    return self.encoder(
+        inputs,
+        _positions(inputs, positions),
+        segment_ids=(segments, segments),
+        token_types=token_types,
+        deterministic=deterministic,
+        rngs=rngs,
+        head_masks=head_masks,
+        return_weights=return_weights,
+        return_logits=return_logits,
+    )
 
   def flops(self, batch_size: int, length: int) -> int:
     tokens = batch_size * length
-    return (self.encoder.flops(batch_size, length) + 2 * tokens * self.cfg.emb_dim ** 2
-            + self._logits_flops(tokens))
+    return (
+        self.encoder.flops(batch_size, length)
+        + 2 * tokens * self.cfg.emb_dim**2
+        + self._logits_flops(tokens)
+    )
 
 
 class EncoderDecoder(_Model):
@@ -314,34 +437,60 @@ class EncoderDecoder(_Model):
 
   def __init__(self, cfg: TransformerConfig, *, bos_id: int, rngs: nnx.Rngs):
     if cfg.num_encoder_layers < 1 or cfg.num_decoder_layers < 1:
-      raise ValueError('EncoderDecoder needs num_encoder_layers >= 1 and num_decoder_layers >= 1, '
-                       f'got {cfg.num_encoder_layers} and {cfg.num_decoder_layers}.')
+      raise ValueError(
+          'EncoderDecoder needs num_encoder_layers >= 1 and num_decoder_layers >= 1, '
+          f'got {cfg.num_encoder_layers} and {cfg.num_decoder_layers}.'
+      )
     self.bos_id = bos_id
     self._init_output(cfg, rngs)
     self.encoder = Stack(cfg, 'encoder', cfg.num_encoder_layers, self.tokens, rngs=rngs)
-    self.decoder = Stack(cfg, 'decoder', cfg.num_decoder_layers, self.tokens, cross=True,
-                         rngs=rngs)
+    self.decoder = Stack(cfg, 'decoder', cfg.num_decoder_layers, self.tokens, cross=True, rngs=rngs)
 
   def constructor_kwargs(self) -> dict:
     """The arguments besides the config that build this model again (e.g. re-parametrized)."""
     return {'bos_id': self.bos_id}
 
-  def encode(self, inputs: Array, *, segment_ids: Array | None = None,
-             positions: Array | None = None, deterministic: bool = True,
-             rngs: nnx.Rngs | None = None, head_masks: HeadMasks = None,
-             return_weights: bool = False, return_logits: bool = False):
+  def encode(
+      self,
+      inputs: Array,
+      *,
+      segment_ids: Array | None = None,
+      positions: Array | None = None,
+      deterministic: bool = True,
+      rngs: nnx.Rngs | None = None,
+      head_masks: HeadMasks = None,
+      return_weights: bool = False,
+      return_logits: bool = False,
+  ):
     """inputs `[batch, source_length]` -> (encoded `[batch, source_length, D]`, extras)."""
     segments = (inputs != 0).astype(jnp.int32) if segment_ids is None else segment_ids
-    return self.encoder(inputs, _positions(inputs, positions),
-                        segment_ids=(segments, segments), deterministic=deterministic,
-                        rngs=rngs, head_masks=head_masks, return_weights=return_weights,
-                        return_logits=return_logits)
+    return self.encoder(
+        inputs,
+        _positions(inputs, positions),
+        segment_ids=(segments, segments),
+        deterministic=deterministic,
+        rngs=rngs,
+        head_masks=head_masks,
+        return_weights=return_weights,
+        return_logits=return_logits,
+    )
 
-  def decode(self, encoded: Array, inputs: Array, decoder_inputs: Array, *,
-             target_segment_ids: Array | None = None, source_segment_ids: Array | None = None,
-             positions: Array | None = None, deterministic: bool = True,
-             rngs: nnx.Rngs | None = None, decode: bool = False, head_masks: HeadMasks = None,
-             return_weights: bool = False, return_logits: bool = False):
+  def decode(
+      self,
+      encoded: Array,
+      inputs: Array,
+      decoder_inputs: Array,
+      *,
+      target_segment_ids: Array | None = None,
+      source_segment_ids: Array | None = None,
+      positions: Array | None = None,
+      deterministic: bool = True,
+      rngs: nnx.Rngs | None = None,
+      decode: bool = False,
+      head_masks: HeadMasks = None,
+      return_weights: bool = False,
+      return_logits: bool = False,
+  ):
     """Decoder logits for `decoder_inputs` `[batch, target_length]` given the encoding.
 
     `inputs` (the source tokens) only provide the source padding mask (or pass
@@ -357,37 +506,69 @@ class EncoderDecoder(_Model):
     else:
       self_segments = (target_segment_ids, target_segment_ids)  # and causal
     x, extras = self.decoder(
-        decoder_inputs, _positions(decoder_inputs, positions), segment_ids=self_segments,
-        encoded=encoded, cross_segment_ids=(target_segment_ids, source),
-        deterministic=deterministic, rngs=rngs, decode=decode,
-        head_masks=head_masks, return_weights=return_weights, return_logits=return_logits)
+        decoder_inputs,
+        _positions(decoder_inputs, positions),
+        segment_ids=self_segments,
+        encoded=encoded,
+        cross_segment_ids=(target_segment_ids, source),
+        deterministic=deterministic,
+        rngs=rngs,
+        decode=decode,
+        head_masks=head_masks,
+        return_weights=return_weights,
+        return_logits=return_logits,
+    )
     return self._logits(x), extras
 
-  def __call__(self, inputs: Array, targets: Array, *, inputs_segment_ids: Array | None = None,
-               targets_segment_ids: Array | None = None, inputs_positions: Array | None = None,
-               targets_positions: Array | None = None, deterministic: bool = True,
-               rngs: nnx.Rngs | None = None, head_masks: HeadMasks = None,
-               return_weights: bool = False, return_logits: bool = False):
+  def __call__(
+      self,
+      inputs: Array,
+      targets: Array,
+      *,
+      inputs_segment_ids: Array | None = None,
+      targets_segment_ids: Array | None = None,
+      inputs_positions: Array | None = None,
+      targets_positions: Array | None = None,
+      deterministic: bool = True,
+      rngs: nnx.Rngs | None = None,
+      head_masks: HeadMasks = None,
+      return_weights: bool = False,
+      return_logits: bool = False,
+  ):
     """inputs `[batch, source_length]`, targets `[batch, target_length]` -> (logits, aux)."""
-    options = dict(deterministic=deterministic, rngs=rngs, head_masks=head_masks,
-                   return_weights=return_weights, return_logits=return_logits)
-    encoded, enc_extras = self.encode(inputs, segment_ids=inputs_segment_ids,
-                                      positions=inputs_positions, **options)
-    shifted = jnp.concatenate([jnp.full_like(targets[:, :1], self.bos_id), targets[:, :-1]],
-                              axis=1)
+    options = dict(
+        deterministic=deterministic,
+        rngs=rngs,
+        head_masks=head_masks,
+        return_weights=return_weights,
+        return_logits=return_logits,
+    )
+    encoded, enc_extras = self.encode(
+        inputs, segment_ids=inputs_segment_ids, positions=inputs_positions, **options
+    )
+    shifted = jnp.concatenate([jnp.full_like(targets[:, :1], self.bos_id), targets[:, :-1]], axis=1)
     if targets_positions is not None:  # packed: each target segment starts from BOS
       shifted = jnp.where(targets_positions == 0, self.bos_id, shifted)
-    target_segments = ((targets != 0).astype(jnp.int32) if targets_segment_ids is None
-                       else targets_segment_ids)
+    target_segments = (
+        (targets != 0).astype(jnp.int32) if targets_segment_ids is None else targets_segment_ids
+    )
     logits, dec_extras = self.decode(
-        encoded, inputs, shifted, target_segment_ids=target_segments,
-        source_segment_ids=inputs_segment_ids, positions=targets_positions, **options)
+        encoded,
+        inputs,
+        shifted,
+        target_segment_ids=target_segments,
+        source_segment_ids=inputs_segment_ids,
+        positions=targets_positions,
+        **options,
+    )
     return logits, self._aux(_merge(enc_extras, dec_extras))
 
   def init_cache(self, batch_size: int, max_length: int | None = None) -> None:
     self.decoder.init_cache(batch_size, max_length or self.cfg.max_length, self.cfg.compute_dtype)
 
   def flops(self, batch_size: int, source_length: int, target_length: int) -> int:
-    return (self.encoder.flops(batch_size, source_length)
-            + self.decoder.flops(batch_size, target_length, source_length)
-            + self._logits_flops(batch_size * target_length))
+    return (
+        self.encoder.flops(batch_size, source_length)
+        + self.decoder.flops(batch_size, target_length, source_length)
+        + self._logits_flops(batch_size * target_length)
+    )

@@ -24,8 +24,14 @@ from lowrank_attn.attention.spec import MIXING_INITS, init_mixing
 Array = jax.Array
 _EMPTY = MappingProxyType({})
 # The size arguments a layer shares with flax's (and its AttentionSpec).
-_SPEC_SIZES = ('num_heads', 'in_features', 'qkv_features', 'out_features', 'num_kv_heads',
-               'in_kv_features')
+_SPEC_SIZES = (
+    'num_heads',
+    'in_features',
+    'qkv_features',
+    'out_features',
+    'num_kv_heads',
+    'in_kv_features',
+)
 
 
 def _gate_init(log_alpha_init: float | str, num_heads: int):
@@ -98,8 +104,10 @@ class MultiHeadAttention(nnx.Module):
   ):
     # flax arguments that swap out the computation itself: ours is defined by `kind`.
     if attention_fn not in (None, nnx.dot_product_attention):
-      raise ValueError('attention_fn is not supported: the attention computation is chosen by '
-                       f'kind= (one of {attention.KINDS}).')
+      raise ValueError(
+          'attention_fn is not supported: the attention computation is chosen by '
+          f'kind= (one of {attention.KINDS}).'
+      )
     for name, value, default in (
         ('qkv_promote_dtype', qkv_promote_dtype, dtypes.promote_dtype),
         ('out_promote_dtype', out_promote_dtype, dtypes.promote_dtype),
@@ -107,17 +115,28 @@ class MultiHeadAttention(nnx.Module):
         ('qkv_dot_general', qkv_dot_general, None),
         ('out_dot_general', out_dot_general, None),
         ('qkv_dot_general_cls', qkv_dot_general_cls, None),
-        ('out_dot_general_cls', out_dot_general_cls, None)):
+        ('out_dot_general_cls', out_dot_general_cls, None),
+    ):
       if value is not default:
         raise ValueError(f'{name} is not supported; use dtype= and precision= instead.')
     unknown = set(options) - set(AttentionSpec.__dataclass_fields__)
     if unknown:
-      raise TypeError(f'MultiHeadAttention got unexpected arguments {sorted(unknown)}; our '
-                      'options are the fields of lowrank_attn.attention.AttentionSpec.')
+      raise TypeError(
+          f'MultiHeadAttention got unexpected arguments {sorted(unknown)}; our '
+          'options are the fields of lowrank_attn.attention.AttentionSpec.'
+      )
     self.spec = spec = AttentionSpec(
-        num_heads=num_heads, in_features=in_features, qkv_features=qkv_features,
-        out_features=out_features, in_kv_features=in_kv_features, num_kv_heads=num_kv_heads,
-        use_bias=use_bias, normalize_qk=normalize_qk, dropout_rate=dropout_rate, **options)
+        num_heads=num_heads,
+        in_features=in_features,
+        qkv_features=qkv_features,
+        out_features=out_features,
+        in_kv_features=in_kv_features,
+        num_kv_heads=num_kv_heads,
+        use_bias=use_bias,
+        normalize_qk=normalize_qk,
+        dropout_rate=dropout_rate,
+        **options,
+    )
     # The attributes flax's layer exposes, for code written against it.
     self.num_heads, self.in_features = num_heads, in_features
     self.qkv_features, self.out_features = spec.qkv_features, spec.out_features
@@ -151,8 +170,9 @@ class MultiHeadAttention(nnx.Module):
       if f'{prefix}_kernel' not in shapes:
         return
       kernel_shape = shapes[f'{prefix}_kernel']
-      param(f'{prefix}_kernel', kernel_init, kernel_meta,
-            (in_width, int(np.prod(kernel_shape[1:]))))
+      param(
+          f'{prefix}_kernel', kernel_init, kernel_meta, (in_width, int(np.prod(kernel_shape[1:])))
+      )
       if f'{prefix}_bias' in shapes:
         param(f'{prefix}_bias', bias_init, bias_meta)
 
@@ -167,13 +187,21 @@ class MultiHeadAttention(nnx.Module):
     else:
       param('query_kernel', kernel_init, kernel_metadata, (D, spec.key_dim))
       param('key_kernel', kernel_init, kernel_metadata, (Dkv, spec.key_dim))
-      param('mixing', lambda rng, shape, dtype: init_mixing(
-          spec.mixing_init, rng, num_heads, spec.key_dim, dtype))
+      param(
+          'mixing',
+          lambda rng, shape, dtype: init_mixing(
+              spec.mixing_init, rng, num_heads, spec.key_dim, dtype
+          ),
+      )
       if use_bias:  # zero content bias: what a layer with zero query bias has
         param('content_bias', bias_init, bias_metadata)
       dense('value', Dkv)
-    param('out_kernel', out_kernel_init, out_kernel_metadata or kernel_metadata,
-          (num_heads * spec.head_dim, spec.out_features))
+    param(
+        'out_kernel',
+        out_kernel_init,
+        out_kernel_metadata or kernel_metadata,
+        (num_heads * spec.head_dim, spec.out_features),
+    )
     if use_bias:
       param('out_bias', out_bias_init, out_bias_metadata or bias_metadata)
     if spec.kind == 'talking_heads':
@@ -250,52 +278,78 @@ class MultiHeadAttention(nnx.Module):
     implementation='xla' whatever the spec says (see `multi_head_attention`).
     """
     if out_sharding is not None or qkv_sharding is not None:
-      raise ValueError('out_sharding/qkv_sharding are not supported: the layer is sharded '
-                       'through its parameters\' logical axes (embed, heads, kv, key).')
+      raise ValueError(
+          'out_sharding/qkv_sharding are not supported: the layer is sharded '
+          "through its parameters' logical axes (embed, heads, kv, key)."
+      )
     if inputs_k is None:
       if inputs_v is not None:
-        raise ValueError('inputs_k cannot be None if inputs_v is given; pass the same array '
-                         'as inputs_k to use it for both.')
+        raise ValueError(
+            'inputs_k cannot be None if inputs_v is given; pass the same array '
+            'as inputs_k to use it for both.'
+        )
       inputs_k = inputs_q
     decode = bool(decode if decode is not None else self.decode)
 
     spec = self.spec
     if sow_weights and not decode and spec.implementation not in ('xla', 'auto'):
-      raise ValueError("sow_weights=True needs implementation='xla', not "
-                       f'{spec.implementation!r}: only it materialises the attention weights.')
+      raise ValueError(
+          "sow_weights=True needs implementation='xla', not "
+          f'{spec.implementation!r}: only it materialises the attention weights.'
+      )
     stochastic_parts = self.dropout_rate > 0.0 or spec.gated
     if stochastic_parts:
       deterministic = deterministic if deterministic is not None else self.deterministic
       if deterministic is None:
-        raise ValueError('deterministic must be given (to the constructor or the call) when '
-                         'dropout_rate > 0 or gated=True.')
+        raise ValueError(
+            'deterministic must be given (to the constructor or the call) when '
+            'dropout_rate > 0 or gated=True.'
+        )
     else:
       deterministic = True
     rng = None
     if not deterministic:
       stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs or self.rngs)
       if stream is None:
-        raise ValueError("rngs must be passed to the call when keep_rngs=False and the layer "
-                         'is not deterministic.')
+        raise ValueError(
+            'rngs must be passed to the call when keep_rngs=False and the layer '
+            'is not deterministic.'
+        )
       rng = stream()
 
     cache = None
     if decode:
       if self.cache_index is None:
         raise ValueError('decode=True needs a cache: call init_cache(input_shape) first.')
-      cache = {'key': self.cached_key[...], 'value': self.cached_value[...],
-               'index': self.cache_index[...]}
+      cache = {
+          'key': self.cached_key[...],
+          'value': self.cached_value[...],
+          'index': self.cache_index[...],
+      }
       if self.cached_content_bias is not None:
         cache['content_bias'] = self.cached_content_bias[...]
 
     result = attention.multi_head_attention(
-        self.kernel_params(), inputs_q, inputs_k, inputs_v, spec=spec, mask=mask,
-        is_causal=is_causal and not decode, segment_ids=segment_ids, head_mask=head_mask,
-        cache=cache, rng=rng, dropout_rate=self.dropout_rate,
-        broadcast_dropout=self.broadcast_dropout, deterministic=deterministic,
+        self.kernel_params(),
+        inputs_q,
+        inputs_k,
+        inputs_v,
+        spec=spec,
+        mask=mask,
+        is_causal=is_causal and not decode,
+        segment_ids=segment_ids,
+        head_mask=head_mask,
+        cache=cache,
+        rng=rng,
+        dropout_rate=self.dropout_rate,
+        broadcast_dropout=self.broadcast_dropout,
+        deterministic=deterministic,
         return_weights=return_weights or sow_weights,
-        return_logits=return_logits, dtype=self.dtype, precision=self.precision,
-        name=self.log_name)
+        return_logits=return_logits,
+        dtype=self.dtype,
+        precision=self.precision,
+        name=self.log_name,
+    )
 
     if decode:
       self.cached_key[...] = result.cache['key']
@@ -320,9 +374,13 @@ class MultiHeadAttention(nnx.Module):
     if 'content_bias' in cache:
       self.cached_content_bias = nnx.Cache(cache['content_bias'])
 
-  def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
-               batch_size: int | tuple[int, ...] | None = None,
-               max_length: int | None = None):
+  def set_view(
+      self,
+      deterministic: bool | None = None,
+      decode: bool | None = None,
+      batch_size: int | tuple[int, ...] | None = None,
+      max_length: int | None = None,
+  ):
     """Used by `nnx.view`: set modes, allocating the cache when decode is switched on."""
     if deterministic is not None:
       self.deterministic = deterministic
@@ -341,18 +399,34 @@ class MultiHeadAttention(nnx.Module):
     """The layer `spec` describes; `layer_args`: flax's non-spec arguments (dtype, decode, ...)."""
     if spec.is_template:
       raise ValueError(f'{spec} is a template: resolve(in_features, layer=...) it first.')
-    options = {name: getattr(spec, name) for name in spec.__dataclass_fields__
-               if name not in _SPEC_SIZES}
+    options = {
+        name: getattr(spec, name) for name in spec.__dataclass_fields__ if name not in _SPEC_SIZES
+    }
     # Sized by head_dim; qkv_features = num_heads * head_dim and (without grouped keys)
     # num_kv_heads = num_heads follow, also for a layer pruned to 0 heads.
     num_kv_heads = None if spec.num_kv_heads == spec.num_heads else spec.num_kv_heads
-    return cls(spec.num_heads, spec.in_features, None, spec.out_features, num_kv_heads,
-               spec.in_kv_features, rngs=rngs, **options, **layer_args)
+    return cls(
+        spec.num_heads,
+        spec.in_features,
+        None,
+        spec.out_features,
+        num_kv_heads,
+        spec.in_kv_features,
+        rngs=rngs,
+        **options,
+        **layer_args,
+    )
 
   @classmethod
-  def from_flax(cls, module: nnx.MultiHeadAttention, *, kind: str = 'concat',
-                key_dim: int | None = None, rescale_logits: bool = False,
-                **options) -> 'MultiHeadAttention':
+  def from_flax(
+      cls,
+      module: nnx.MultiHeadAttention,
+      *,
+      kind: str = 'concat',
+      key_dim: int | None = None,
+      rescale_logits: bool = False,
+      **options,
+  ) -> 'MultiHeadAttention':
     """Our layer computing what an existing `flax.nnx.MultiHeadAttention` computes.
 
     kind='concat', 'fixed_head' and 'talking_heads' (identity mixing) copy the weights.
@@ -368,12 +442,23 @@ class MultiHeadAttention(nnx.Module):
     of `lowrank_attn.reparam.collaborative_factors`) go to the decomposition; the others (e.g.
     gated=True) to the constructor.
     """
-    return _reparam_convert().from_flax(module, kind=kind, key_dim=key_dim,
-                                        rescale_logits=rescale_logits, layer_class=cls,
-                                        **options)
+    return _reparam_convert().from_flax(
+        module,
+        kind=kind,
+        key_dim=key_dim,
+        rescale_logits=rescale_logits,
+        layer_class=cls,
+        **options,
+    )
 
-  def to_collaborative(self, key_dim: int | None = None, *, rescale_logits: bool = False,
-                       return_error: bool = False, **cp_options):
+  def to_collaborative(
+      self,
+      key_dim: int | None = None,
+      *,
+      rescale_logits: bool = False,
+      return_error: bool = False,
+      **cp_options,
+  ):
     """This concat or fixed_head layer re-parametrized as a collaborative one (a new layer).
 
     As `from_flax(..., kind='collaborative')`, for one of our layers (a loaded BERT is made
@@ -383,15 +468,18 @@ class MultiHeadAttention(nnx.Module):
     `(layer, relative_error)`, the error |T - T^|_F / |T|_F of the per-head bilinear forms.
     """
     return _reparam_convert().layer_to_collaborative(
-        self, key_dim, rescale_logits=rescale_logits, return_error=return_error, **cp_options)
+        self, key_dim, rescale_logits=rescale_logits, return_error=return_error, **cp_options
+    )
 
   def set_params(self, params: Mapping[str, Array]) -> None:
     """Overwrites parameters by name; a name the layer lacks or a wrong shape is a ValueError."""
     shapes = self.spec.param_shapes()
     for name, value in params.items():
       if name not in shapes or tuple(value.shape) != shapes[name]:
-        raise ValueError(f'parameter {name} {tuple(value.shape)} does not fit this layer '
-                         f'({self.spec.kind}): its parameters are {shapes}.')
+        raise ValueError(
+            f'parameter {name} {tuple(value.shape)} does not fit this layer '
+            f'({self.spec.kind}): its parameters are {shapes}.'
+        )
       getattr(self, name)[...] = jnp.asarray(value, self.param_dtype)
 
 
@@ -400,13 +488,26 @@ def _reparam_convert():
   layers (it imports them, and its package the training stack), so the layers never import it
   at module level (tests/test_layering.py)."""
   from lowrank_attn.reparam import convert  # pylint: disable=g-import-not-at-top
+
   return convert
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
-                          dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
-                          precision=None, module=None, promote_dtype=dtypes.promote_dtype,
-                          is_causal=False):
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout=True,
+    dropout_rng=None,
+    dropout_rate=0.0,
+    deterministic=False,
+    dtype=None,
+    precision=None,
+    module=None,
+    promote_dtype=dtypes.promote_dtype,
+    is_causal=False,
+):
   """An `attention_fn` for flax's own attention layers, built on our core.
 
   Same signature as `flax.nnx.dot_product_attention`; logits and softmax in float32, and a
@@ -417,8 +518,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   if bias is not None:
     scores = scores + bias
   if is_causal:
-    mask = attention.combine_masks(
-        mask, attention.causal_mask(scores.shape[-2], scores.shape[-1]))
+    mask = attention.combine_masks(mask, attention.causal_mask(scores.shape[-2], scores.shape[-1]))
   weights = attention.masked_softmax(scores, mask)
   if module is not None:
     module.sow(nnx.Intermediate, 'attention_weights', weights)

@@ -31,8 +31,7 @@ Keep = Mapping[str, Any]
 
 def head_counts(model: nnx.Module) -> dict[str, tuple[int, ...]]:
   """{attention type: heads of each layer}."""
-  return {t: tuple(a.num_heads for a in layers)
-          for t, layers in model.attention_layers().items()}
+  return {t: tuple(a.num_heads for a in layers) for t, layers in model.attention_layers().items()}
 
 
 def per_type(masks: Mapping[str, Sequence[np.ndarray]]) -> dict[str, Any]:
@@ -49,27 +48,39 @@ def check_keep(model: nnx.Module, keep: Keep) -> dict[str, list[np.ndarray]]:
   counts = head_counts(model)
   unknown = sorted(set(keep) - set(counts))
   if unknown:
-    raise ValueError(f'keep has attention types {unknown} that this model does not have; '
-                     f'its types are {sorted(counts)}.')
+    raise ValueError(
+        f'keep has attention types {unknown} that this model does not have; '
+        f'its types are {sorted(counts)}.'
+    )
   checked = {}
   for attention_type, heads in counts.items():
     if keep.get(attention_type) is None:
       checked[attention_type] = [np.ones(h, bool) for h in heads]
       continue
     given = keep[attention_type]
-    layers = [np.asarray(x) for x in np.atleast_1d(given)] if isinstance(
-        given, (np.ndarray, jax.Array)) else [np.asarray(x) for x in given]
+    layers = (
+        [np.asarray(x) for x in np.atleast_1d(given)]
+        if isinstance(given, (np.ndarray, jax.Array))
+        else [np.asarray(x) for x in given]
+    )
     shapes = [x.shape for x in layers]
     if shapes != [(h,) for h in heads]:
-      expected = (f'[{len(heads)}, {heads[0]}]' if len(set(heads)) == 1
-                  else f'one [heads] array per layer with heads {list(heads)}')
-      raise ValueError(f"keep['{attention_type}'] has shape "
-                       f'{np.shape(given) if len(set(shapes)) <= 1 else shapes}, expected '
-                       f'{expected} (layers, heads).')
+      expected = (
+          f'[{len(heads)}, {heads[0]}]'
+          if len(set(heads)) == 1
+          else f'one [heads] array per layer with heads {list(heads)}'
+      )
+      raise ValueError(
+          f"keep['{attention_type}'] has shape "
+          f'{np.shape(given) if len(set(shapes)) <= 1 else shapes}, expected '
+          f'{expected} (layers, heads).'
+      )
     for i, x in enumerate(layers):
       if x.dtype != bool and not np.isin(x, (0, 1)).all():
-        raise ValueError(f"keep['{attention_type}'] layer {i} = {x.tolist()}: expected booleans "
-                         '(True = keep the head) or 0/1.')
+        raise ValueError(
+            f"keep['{attention_type}'] layer {i} = {x.tolist()}: expected booleans "
+            '(True = keep the head) or 0/1.'
+        )
     checked[attention_type] = [x.astype(bool) for x in layers]
   return checked
 
@@ -96,16 +107,20 @@ def _head_axes(spec) -> dict[str, int]:
   return {**axes, 'query_kernel': 1, 'query_bias': 0, 'key_kernel': 1, 'key_bias': 0}
 
 
-def _prune_layer_params(params: dict[str, np.ndarray], spec, kept: np.ndarray,
-                        pruned_spec) -> dict[str, np.ndarray]:
+def _prune_layer_params(
+    params: dict[str, np.ndarray], spec, kept: np.ndarray, pruned_spec
+) -> dict[str, np.ndarray]:
   """A layer's parameters without the heads `kept` drops (a layer left without heads keeps
   only its output bias: `pruned_spec.param_shapes()`)."""
   if kept.all():
     return params
   index = np.flatnonzero(kept)
   axes = _head_axes(spec)
-  return {name: np.take(value, index, axis=axes[name]) if name in axes else value
-          for name, value in params.items() if name in pruned_spec.param_shapes()}
+  return {
+      name: np.take(value, index, axis=axes[name]) if name in axes else value
+      for name, value in params.items()
+      if name in pruned_spec.param_shapes()
+  }
 
 
 def _pruned_template(template, attention_type: str, layers, kept: list[np.ndarray]):
@@ -115,14 +130,22 @@ def _pruned_template(template, attention_type: str, layers, kept: list[np.ndarra
   for name in ('head_dim', 'logit_scale', 'key_dim'):
     values = {getattr(s, name) for s in specs}
     if len(values) > 1:
-      raise ValueError(f'{attention_type} attention has {name} {sorted(values)} differing by '
-                       'layer, which a pruned config cannot record (one value per type).')
+      raise ValueError(
+          f'{attention_type} attention has {name} {sorted(values)} differing by '
+          'layer, which a pruned config cannot record (one value per type).'
+      )
   if any(s.is_dot_product and s.num_kv_heads != s.num_heads for s in specs):
-    raise ValueError(f'{attention_type} attention uses grouped keys/values (num_kv_heads='
-                     f'{specs[0].num_kv_heads} < num_heads): pruning single heads would leave '
-                     'groups of different sizes. Keep all its heads.')
-  changes = dict(num_heads=tuple(int(k.sum()) for k in kept), head_dim=specs[0].head_dim,
-                 qkv_features=None, logit_scale=specs[0].logit_scale)
+    raise ValueError(
+        f'{attention_type} attention uses grouped keys/values (num_kv_heads='
+        f'{specs[0].num_kv_heads} < num_heads): pruning single heads would leave '
+        'groups of different sizes. Keep all its heads.'
+    )
+  changes = dict(
+      num_heads=tuple(int(k.sum()) for k in kept),
+      head_dim=specs[0].head_dim,
+      qkv_features=None,
+      logit_scale=specs[0].logit_scale,
+  )
   if specs[0].kind == 'collaborative':
     changes['key_dim'] = specs[0].key_dim
   if specs[0].kind == 'talking_heads':  # every output head mixes all of the logit heads
@@ -140,8 +163,9 @@ def pruned_config(model: nnx.Module, keep: Keep) -> models.TransformerConfig:
     if all(k.all() for k in kept):
       continue
     field = f'{attention_type}_attention'
-    changes[field] = _pruned_template(getattr(model.cfg, field), attention_type,
-                                      layers[attention_type], kept)
+    changes[field] = _pruned_template(
+        getattr(model.cfg, field), attention_type, layers[attention_type], kept
+    )
   return dataclasses.replace(model.cfg, **changes)
 
 
@@ -171,8 +195,9 @@ def prune_heads(model: nnx.Module, keep: Keep) -> nnx.Module:
   params = _numpy_tree(params)
   for attention_type, index, path, layer in model.attention_sites():
     parent, name = _get(params, path[:-1]), path[-1]
-    parent[name] = _prune_layer_params(parent[name], layer.spec, keep[attention_type][index],
-                                       cfg.attention(attention_type, index))
+    parent[name] = _prune_layer_params(
+        parent[name], layer.spec, keep[attention_type][index], cfg.attention(attention_type, index)
+    )
 
   # The constructor's arguments besides the config (a task's model may take its own).
   extra = model.constructor_kwargs() if hasattr(model, 'constructor_kwargs') else {}
@@ -196,5 +221,7 @@ def _check_shapes(expected, actual, path=()):
       _check_shapes(expected[key], actual[key], path + (key,))
     return
   if tuple(expected.shape) != tuple(actual.shape):
-    raise AssertionError(f'pruned parameter {"/".join(map(str, path))} has shape '
-                         f'{actual.shape}, the pruned model expects {expected.shape}')
+    raise AssertionError(
+        f'pruned parameter {"/".join(map(str, path))} has shape '
+        f'{actual.shape}, the pruned model expects {expected.shape}'
+    )

@@ -30,8 +30,9 @@ from lowrank_attn.train import state as state_lib
 PRUNING_FILE = 'pruning.json'
 
 
-def prune_run(source: str | os.PathLike, keep: Keep, workdir: str | os.PathLike,
-              step: int | None = None) -> dict[str, Any]:
+def prune_run(
+    source: str | os.PathLike, keep: Keep, workdir: str | os.PathLike, step: int | None = None
+) -> dict[str, Any]:
   """Prunes run `source`'s model (checkpoint `step`, default latest) into run dir `workdir`.
 
   Returns the `--config.<field>` overrides that, with the source's command and
@@ -46,15 +47,19 @@ def prune_run(source: str | os.PathLike, keep: Keep, workdir: str | os.PathLike,
   keep = check_keep(model, keep)
   pruned = prune_heads(model, keep)
   overrides = run.data_overrides()
-  if not state_lib.trains_any(nnx.to_pure_dict(nnx.state(pruned, nnx.Param)),
-                              config.trainable):
+  if not state_lib.trains_any(nnx.to_pure_dict(nnx.state(pruned, nnx.Param)), config.trainable):
     # E.g. a gate fine-tune (trainable='gate_log_alpha') whose gates all closed: the pruned
     # model has no gate left, and a pattern that matches nothing would refuse to build it.
     overrides['trainable'] = None
   config = with_overrides(config, overrides)
   overrides = {**overrides, 'init_from': target.path, **target.write_model(pruned, config)}
-  record = {'source': run.path, 'source_step': step, 'overrides': overrides,
-            'keep': {t: [np.asarray(k).astype(int).tolist() for k in layers]
-                     for t, layers in keep.items()}}
+  record = {
+      'source': run.path,
+      'source_step': step,
+      'overrides': overrides,
+      'keep': {
+          t: [np.asarray(k).astype(int).tolist() for k in layers] for t, layers in keep.items()
+      },
+  }
   write_atomic(os.path.join(target.path, PRUNING_FILE), json.dumps(record, indent=2))
   return overrides

@@ -16,5 +16,9 @@
 from lowrank_attn.reparam.convert import concat_to_collaborative, per_head_svd
 from lowrank_attn.reparam.cp import CollaborativeFactors, collaborative_factors
 from lowrank_attn.reparam.models import (
-    Converted, model_attention_types, to_collaborative, to_low_rank_concat)
+    Converted,
+    model_attention_types,
+    to_collaborative,
+    to_low_rank_concat,
+)
 from lowrank_attn.reparam.runs import write_run

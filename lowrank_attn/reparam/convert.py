@@ -22,11 +22,15 @@ from lowrank_attn.reparam.cp import collaborative_factors
 
 def _check_convertible(name: str, spec: AttentionSpec) -> None:
   if spec.kind not in ('concat', 'fixed_head') or spec.num_kv_heads != spec.num_heads:
-    raise ValueError(f'{name} needs kind concat or fixed_head with num_kv_heads == num_heads, '
-                     f'got kind={spec.kind!r}, num_kv_heads={spec.num_kv_heads}.')
+    raise ValueError(
+        f'{name} needs kind concat or fixed_head with num_kv_heads == num_heads, '
+        f'got kind={spec.kind!r}, num_kv_heads={spec.num_kv_heads}.'
+    )
   if spec.normalize_qk:
-    raise ValueError(f'{name}: a layer with normalize_qk=True has no collaborative form (its '
-                     'logits are not bilinear in the inputs).')
+    raise ValueError(
+        f'{name}: a layer with normalize_qk=True has no collaborative form (its '
+        'logits are not bilinear in the inputs).'
+    )
 
 
 def _unchanged_and_content_bias(params: dict, spec: AttentionSpec) -> dict:
@@ -36,8 +40,11 @@ def _unchanged_and_content_bias(params: dict, spec: AttentionSpec) -> dict:
   across keys; the others are constant along a softmax row and cancel, so b_K is dropped. This
   holds whatever the shared query/key width (Cordonnier et al. 2020).
   """
-  new = {name: params[name] for name in ('value_kernel', 'value_bias', 'out_kernel', 'out_bias',
-                                         'gate_log_alpha') if name in params}
+  new = {
+      name: params[name]
+      for name in ('value_kernel', 'value_bias', 'out_kernel', 'out_bias', 'gate_log_alpha')
+      if name in params
+  }
   if spec.use_bias:
     new['content_bias'] = jnp.einsum('chd,hd->ch', params['key_kernel'], params['query_bias'])
   return new
@@ -48,9 +55,15 @@ def _unchanged_and_content_bias(params: dict, spec: AttentionSpec) -> dict:
 CP_OPTIONS = ('num_iterations', 'tol', 'num_starts', 'check_every', 'seed')
 
 
-def concat_to_collaborative(params: dict, spec: AttentionSpec, key_dim: int | None = None, *,
-                            rescale_logits: bool = False, return_error: bool = False,
-                            **cp_options):
+def concat_to_collaborative(
+    params: dict,
+    spec: AttentionSpec,
+    key_dim: int | None = None,
+    *,
+    rescale_logits: bool = False,
+    return_error: bool = False,
+    **cp_options,
+):
   """Re-parametrize a concat/fixed-head layer as a collaborative one of shared key width key_dim.
 
   From key_dim = num_heads * head_dim (the default) on, exactly: W~_Q = [W_Q^(1) ... W_Q^(h)],
@@ -72,8 +85,9 @@ def concat_to_collaborative(params: dict, spec: AttentionSpec, key_dim: int | No
   h, d = spec.num_heads, spec.head_dim
   key_dim = h * d if key_dim is None else key_dim
   scale = 1.0 / math.sqrt(key_dim / h) if rescale_logits else spec.logit_scale
-  new_spec = dataclasses.replace(spec, kind='collaborative', key_dim=key_dim,
-                                 logit_scale=float(scale))
+  new_spec = dataclasses.replace(
+      spec, kind='collaborative', key_dim=key_dim, logit_scale=float(scale)
+  )
   new = _unchanged_and_content_bias(params, spec)
   wq, wk = params['query_kernel'], params['key_kernel']
   if key_dim == h * d:  # exact, and cheaper than going through the general path
@@ -110,8 +124,10 @@ def per_head_svd(params: dict, spec: AttentionSpec, key_dim: int, *, return_erro
   _check_convertible('per_head_svd', spec)
   h, d = spec.num_heads, spec.head_dim
   if not isinstance(key_dim, int) or isinstance(key_dim, bool) or not h <= key_dim <= h * d:
-    raise ValueError(f'per_head_svd: key_dim={key_dim!r} must be an integer from num_heads={h} '
-                     f'to num_heads * head_dim={h * d} (rank 1 to head_dim per head).')
+    raise ValueError(
+        f'per_head_svd: key_dim={key_dim!r} must be an integer from num_heads={h} '
+        f'to num_heads * head_dim={h * d} (rank 1 to head_dim per head).'
+    )
   wq, wk = params['query_kernel'], params['key_kernel']
   # SVD of W_Q^(i) W_K^(i)T from thin QRs of its factors, in float64: R_Q R_K^T is d x d.
   q64 = np.moveaxis(np.asarray(wq, np.float64), 1, 0)  # [h, D_q, d]
@@ -127,18 +143,19 @@ def per_head_svd(params: dict, spec: AttentionSpec, key_dim: int, *, return_erro
   key = np.zeros((wk.shape[0], key_dim))
   for i in range(h):
     columns = np.flatnonzero(mixing[i])
-    query[:, columns] = head_q[i, :, :len(columns)]
-    key[:, columns] = head_k[i, :, :len(columns)]
+    query[:, columns] = head_q[i, :, : len(columns)]
+    key[:, columns] = head_k[i, :, : len(columns)]
   new = _unchanged_and_content_bias(params, spec)
   new['query_kernel'] = jnp.asarray(query, wq.dtype)
   new['key_kernel'] = jnp.asarray(key, wk.dtype)
   new['mixing'] = jnp.asarray(mixing, wq.dtype)
-  new_spec = dataclasses.replace(spec, kind='collaborative', key_dim=key_dim,
-                                 logit_scale=float(spec.logit_scale))
+  new_spec = dataclasses.replace(
+      spec, kind='collaborative', key_dim=key_dim, logit_scale=float(spec.logit_scale)
+  )
   if not return_error:
     return new, new_spec
-  discarded = sum(np.sum(s[i, int(mixing[i].sum()):] ** 2) for i in range(h))
-  total = np.sum(s ** 2)
+  discarded = sum(np.sum(s[i, int(mixing[i].sum()) :] ** 2) for i in range(h))
+  total = np.sum(s**2)
   error = float(np.sqrt(discarded / total)) if total > 0 else 0.0
   return new, new_spec, error
 
@@ -146,9 +163,15 @@ def per_head_svd(params: dict, spec: AttentionSpec, key_dim: int, *, return_erro
 # --------------------------------------------------------------------------- NNX layers
 
 
-def from_flax(module: nnx.MultiHeadAttention, *, kind: str = 'concat', key_dim: int | None = None,
-              rescale_logits: bool = False, layer_class: type = MultiHeadAttention,
-              **options) -> MultiHeadAttention:
+def from_flax(
+    module: nnx.MultiHeadAttention,
+    *,
+    kind: str = 'concat',
+    key_dim: int | None = None,
+    rescale_logits: bool = False,
+    layer_class: type = MultiHeadAttention,
+    **options,
+) -> MultiHeadAttention:
   """`MultiHeadAttention.from_flax` (documented there): our layer (of `layer_class`) computing
   what `module` computes, re-parametrized by `concat_to_collaborative` for kind='collaborative'.
   """
@@ -156,17 +179,32 @@ def from_flax(module: nnx.MultiHeadAttention, *, kind: str = 'concat', key_dim: 
     raise ValueError(f'module must be a flax.nnx.MultiHeadAttention, got {type(module)}.')
   cp_options = {name: options.pop(name) for name in CP_OPTIONS if name in options}
   if kind != 'collaborative' and (key_dim is not None or rescale_logits or cp_options):
-    raise ValueError(f'key_dim, rescale_logits and the CP options {CP_OPTIONS} are only used '
-                     f"by kind='collaborative' (got kind={kind!r}).")
-  sizes = dict(num_heads=module.num_heads, in_features=module.in_features,
-               qkv_features=module.qkv_features, out_features=module.out_features,
-               num_kv_heads=module.num_kv_heads, in_kv_features=module.in_kv_features)
+    raise ValueError(
+        f'key_dim, rescale_logits and the CP options {CP_OPTIONS} are only used '
+        f"by kind='collaborative' (got kind={kind!r})."
+    )
+  sizes = dict(
+      num_heads=module.num_heads,
+      in_features=module.in_features,
+      qkv_features=module.qkv_features,
+      out_features=module.out_features,
+      num_kv_heads=module.num_kv_heads,
+      in_kv_features=module.in_kv_features,
+  )
   settings = dict(
-      **sizes, kind=kind, head_dim=module.head_dim if kind == 'fixed_head' else None,
-      dtype=module.dtype, param_dtype=module.param_dtype,
-      broadcast_dropout=module.broadcast_dropout, dropout_rate=module.dropout_rate,
-      deterministic=module.deterministic, precision=module.precision,
-      use_bias=module.use_bias, decode=module.decode, normalize_qk=module.normalize_qk)
+      **sizes,
+      kind=kind,
+      head_dim=module.head_dim if kind == 'fixed_head' else None,
+      dtype=module.dtype,
+      param_dtype=module.param_dtype,
+      broadcast_dropout=module.broadcast_dropout,
+      dropout_rate=module.dropout_rate,
+      deterministic=module.deterministic,
+      precision=module.precision,
+      use_bias=module.use_bias,
+      decode=module.decode,
+      normalize_qk=module.normalize_qk,
+  )
 
   # Flax's parameters under our names, then (collaborative) re-parametrized.
   weights = {}
@@ -178,10 +216,10 @@ def from_flax(module: nnx.MultiHeadAttention, *, kind: str = 'concat', key_dim: 
     weights['query_ln_scale'] = module.query_ln.scale[...]
     weights['key_ln_scale'] = module.key_ln.scale[...]
   if kind == 'collaborative':
-    concat_spec = AttentionSpec(**sizes, use_bias=module.use_bias,
-                                normalize_qk=module.normalize_qk)
-    weights, spec = concat_to_collaborative(weights, concat_spec, key_dim,
-                                            rescale_logits=rescale_logits, **cp_options)
+    concat_spec = AttentionSpec(**sizes, use_bias=module.use_bias, normalize_qk=module.normalize_qk)
+    weights, spec = concat_to_collaborative(
+        weights, concat_spec, key_dim, rescale_logits=rescale_logits, **cp_options
+    )
     settings.update(key_dim=spec.key_dim, logit_scale=spec.logit_scale)
   layer = layer_class(**{**settings, **options}, rngs=nnx.Rngs(0))  # parameters set below
   if module.rngs is not None and layer.rngs is not None:
@@ -190,18 +228,35 @@ def from_flax(module: nnx.MultiHeadAttention, *, kind: str = 'concat', key_dim: 
   return layer
 
 
-def layer_to_collaborative(layer: MultiHeadAttention, key_dim: int | None = None, *,
-                           rescale_logits: bool = False, return_error: bool = False,
-                           **cp_options):
+def layer_to_collaborative(
+    layer: MultiHeadAttention,
+    key_dim: int | None = None,
+    *,
+    rescale_logits: bool = False,
+    return_error: bool = False,
+    **cp_options,
+):
   """`MultiHeadAttention.to_collaborative` (documented there): a new collaborative layer of
   the same class, settings and dropout stream, from `concat_to_collaborative`."""
   params, spec, error = concat_to_collaborative(
-      layer.kernel_params(), layer.spec, key_dim, rescale_logits=rescale_logits,
-      return_error=True, **cp_options)
+      layer.kernel_params(),
+      layer.spec,
+      key_dim,
+      rescale_logits=rescale_logits,
+      return_error=True,
+      **cp_options,
+  )
   new = type(layer).from_spec(
-      spec, rngs=nnx.Rngs(0), dtype=layer.dtype, param_dtype=layer.param_dtype,
-      broadcast_dropout=layer.broadcast_dropout, deterministic=layer.deterministic,
-      precision=layer.precision, decode=layer.decode, keep_rngs=layer.rngs is not None)
+      spec,
+      rngs=nnx.Rngs(0),
+      dtype=layer.dtype,
+      param_dtype=layer.param_dtype,
+      broadcast_dropout=layer.broadcast_dropout,
+      deterministic=layer.deterministic,
+      precision=layer.precision,
+      decode=layer.decode,
+      keep_rngs=layer.rngs is not None,
+  )
   if layer.rngs is not None:
     new.rngs = nnx.clone(layer.rngs)
   new.set_params(params)

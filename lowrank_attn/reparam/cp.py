@@ -42,6 +42,7 @@ class CollaborativeFactors(NamedTuple):
   |a_r| |b_r| |m_r|; each mixing column has unit norm and a positive largest entry, and its
   query and key columns have equal norms.
   """
+
   query_kernel: Array  # [D_q, key_dim]
   key_kernel: Array  # [D_k, key_dim]
   mixing: Array  # [heads, key_dim]
@@ -50,9 +51,17 @@ class CollaborativeFactors(NamedTuple):
   error_history: np.ndarray  # after 0, check_every, 2 check_every, ... sweeps (last: all)
 
 
-def collaborative_factors(query_kernel, key_kernel, key_dim: int, *, num_iterations: int = 100,
-                          tol: float = 1e-5, num_starts: int = 4, check_every: int = 10,
-                          seed: int = 0) -> CollaborativeFactors:
+def collaborative_factors(
+    query_kernel,
+    key_kernel,
+    key_dim: int,
+    *,
+    num_iterations: int = 100,
+    tol: float = 1e-5,
+    num_starts: int = 4,
+    check_every: int = 10,
+    seed: int = 0,
+) -> CollaborativeFactors:
   """CP-decompose the per-head bilinear forms W_Q^(i) W_K^(i)T of a concat layer.
 
   Args:
@@ -84,8 +93,7 @@ def collaborative_factors(query_kernel, key_kernel, key_dim: int, *, num_iterati
   fall below ~0.3). On XLA:CPU a float64 sweep costs about 3x a float32 one.
   """
   query_kernel, key_kernel = np.asarray(query_kernel), np.asarray(key_kernel)
-  _check_arguments(query_kernel, key_kernel, key_dim, num_iterations, tol, num_starts,
-                   check_every)
+  _check_arguments(query_kernel, key_kernel, key_dim, num_iterations, tol, num_starts, check_every)
   dtype = jnp.result_type(query_kernel, key_kernel)
   dq, h, d = query_kernel.shape
   if key_dim >= h * d:
@@ -96,28 +104,45 @@ def collaborative_factors(query_kernel, key_kernel, key_dim: int, *, num_iterati
   norm2 = np.sum(np.einsum('qhd,qhe->hde', wq64, wq64) * np.einsum('khd,khe->hde', wk64, wk64))
   if norm2 == 0.0:
     zeros = lambda n: jnp.zeros((n, key_dim), dtype)
-    return CollaborativeFactors(zeros(dq), zeros(key_kernel.shape[0]), zeros(h), 0.0, 0,
-                                np.zeros(1))
+    return CollaborativeFactors(
+        zeros(dq), zeros(key_kernel.shape[0]), zeros(h), 0.0, 0, np.zeros(1)
+    )
   with jax.enable_x64(True):
     q, k, m, history, sweeps, error = _decompose(
-        jnp.asarray(query_kernel), jnp.asarray(key_kernel), jax.random.key(seed), tol,
-        rank=key_dim, num_iterations=num_iterations, num_starts=num_starts,
-        check_every=check_every, dtype=dtype)
+        jnp.asarray(query_kernel),
+        jnp.asarray(key_kernel),
+        jax.random.key(seed),
+        tol,
+        rank=key_dim,
+        num_iterations=num_iterations,
+        num_starts=num_starts,
+        check_every=check_every,
+        dtype=dtype,
+    )
     num_checks = -(-int(sweeps) // check_every) + 1
     history = np.asarray(history)[:num_checks]
     return CollaborativeFactors(q, k, m, float(error), int(sweeps), history)
 
 
-def _check_arguments(query_kernel, key_kernel, key_dim, num_iterations, tol, num_starts,
-                     check_every):
+def _check_arguments(
+    query_kernel, key_kernel, key_dim, num_iterations, tol, num_starts, check_every
+):
   if query_kernel.ndim != 3 or key_kernel.ndim != 3:
-    raise ValueError(f'query_kernel {query_kernel.shape} and key_kernel {key_kernel.shape} must '
-                     'be [D, heads, head_dim].')
+    raise ValueError(
+        f'query_kernel {query_kernel.shape} and key_kernel {key_kernel.shape} must '
+        'be [D, heads, head_dim].'
+    )
   if query_kernel.shape[1:] != key_kernel.shape[1:]:
-    raise ValueError(f'query_kernel {query_kernel.shape} and key_kernel {key_kernel.shape} must '
-                     'have the same heads and head_dim.')
-  for name, value in (('key_dim', key_dim), ('num_iterations', num_iterations),
-                      ('num_starts', num_starts), ('check_every', check_every)):
+    raise ValueError(
+        f'query_kernel {query_kernel.shape} and key_kernel {key_kernel.shape} must '
+        'have the same heads and head_dim.'
+    )
+  for name, value in (
+      ('key_dim', key_dim),
+      ('num_iterations', num_iterations),
+      ('num_starts', num_starts),
+      ('check_every', check_every),
+  ):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
       raise ValueError(f'{name}={value!r} must be an integer >= 1.')
   if not tol >= 0:
@@ -136,7 +161,10 @@ def _exact_factors(query_kernel, key_kernel, key_dim, dtype) -> CollaborativeFac
       query_kernel=pad(query_kernel.reshape(dq, h * d)),
       key_kernel=pad(key_kernel.reshape(key_kernel.shape[0], h * d)),
       mixing=pad(concatenate_mixing(h, h * d, dtype)),
-      relative_error=0.0, num_iterations=0, error_history=np.zeros(1))
+      relative_error=0.0,
+      num_iterations=0,
+      error_history=np.zeros(1),
+  )
 
 
 # --------------------------------------------------------------------------- ALS internals
@@ -144,6 +172,7 @@ def _exact_factors(query_kernel, key_kernel, key_dim, dtype) -> CollaborativeFac
 
 class _State(NamedTuple):
   """Factors in coefficient form and the products every update needs."""
+
   x_q: Array  # [h d, R]: W~_Q = W_Q x_q
   x_k: Array  # [h d, R]
   mixing: Array  # [h, R]
@@ -167,7 +196,8 @@ def _solve_normal(gram: Array, rhs: Array) -> Array:
   chol = jnp.linalg.cholesky(gram + ridge * jnp.eye(gram.shape[0], dtype=gram.dtype))
   chol = chol.astype(rhs.dtype)
   chol_inv = jax.lax.linalg.triangular_solve(
-      chol, jnp.eye(chol.shape[0], dtype=chol.dtype), left_side=True, lower=True)
+      chol, jnp.eye(chol.shape[0], dtype=chol.dtype), left_side=True, lower=True
+  )
   return rhs @ (chol_inv.T @ chol_inv)
 
 
@@ -263,8 +293,9 @@ def _tensorly_start(x_k, g_q, g_k, h, key) -> _State:
   completed by U[0, 1) columns (there are only h of them), then the best queries for them."""
   hd, rank = x_k.shape
   # T_(2) T_(2)^T [i, j] = <T_i, T_j> = tr(W_Q^(i)T W_Q^(j) W_K^(j)T W_K^(i)).
-  heads_gram = jnp.einsum('idje,idje->ij', g_q.reshape(h, hd // h, h, hd // h),
-                          g_k.reshape(h, hd // h, h, hd // h))
+  heads_gram = jnp.einsum(
+      'idje,idje->ij', g_q.reshape(h, hd // h, h, hd // h), g_k.reshape(h, hd // h, h, hd // h)
+  )
   head_vectors = jnp.linalg.eigh(heads_gram)[1][:, ::-1]
   filler = jax.random.uniform(key, (h, max(rank - h, 0)), head_vectors.dtype)
   mixing = jnp.concatenate([head_vectors, filler], axis=1)[:, :rank]
@@ -285,8 +316,7 @@ class _Carry(NamedTuple):
   extrapolate: Array  # False once an extrapolated window came out worse (see _iterate)
 
 
-def _iterate(carry: _Carry, limit, check_every, tol, g_q, g_k, g_q64, g_k64, norm2, h,
-             d) -> _Carry:
+def _iterate(carry: _Carry, limit, check_every, tol, g_q, g_k, g_q64, g_k64, norm2, h, d) -> _Carry:
   """ALS sweeps with extrapolation up to `limit` sweeps or convergence, checked every
   `check_every` sweeps in float64.
 
@@ -308,8 +338,9 @@ def _iterate(carry: _Carry, limit, check_every, tol, g_q, g_k, g_q64, g_k64, nor
       step = lambda old, new: old + jump * (new - old)
       x_q, x_k, mixing, p_q, p_k = (step(o, n) for o, n in zip(state[:5], new[:5]))
       jumped = _State(x_q, x_k, mixing, p_q, p_k, x_q.T @ p_q, x_k.T @ p_k)
-      accept = (carry.extrapolate & (k >= FIRST_JUMP_AT)
-                & (_squared_error(jumped, norm2, h) < squared))
+      accept = (
+          carry.extrapolate & (k >= FIRST_JUMP_AT) & (_squared_error(jumped, norm2, h) < squared)
+      )
       new = jax.tree.map(lambda a, b: jnp.where(accept, a, b), jumped, new)
       fails = jnp.where(accept | (k < FIRST_JUMP_AT), 0, fails + 1)
       power = jnp.where(fails >= MAX_FAILS, power + 1.0, power)
@@ -317,7 +348,8 @@ def _iterate(carry: _Carry, limit, check_every, tol, g_q, g_k, g_q64, g_k64, nor
 
     count = jnp.minimum(check_every, limit - carry.sweeps)
     state, power, fails = jax.lax.fori_loop(
-        carry.sweeps, carry.sweeps + count, sweep, (carry.state, carry.power, carry.fails))
+        carry.sweeps, carry.sweeps + count, sweep, (carry.state, carry.power, carry.fails)
+    )
     sweeps = carry.sweeps + count
     error = _relative_error64(state, g_q64, g_k64, norm2, h)
     worse = error > carry.error
@@ -327,14 +359,14 @@ def _iterate(carry: _Carry, limit, check_every, tol, g_q, g_k, g_q64, g_k64, nor
     history = carry.history.at[(sweeps + check_every - 1) // check_every].set(error)
     converged = ~worse & (carry.error - error < tol * count * carry.error)
     done = converged | (error < ERROR_FLOOR) | (worse & ~carry.extrapolate)
-    return _Carry(state, sweeps, power, fails, history, error, done,
-                  carry.extrapolate & ~worse)
+    return _Carry(state, sweeps, power, fails, history, error, done, carry.extrapolate & ~worse)
 
   return jax.lax.while_loop(lambda c: (c.sweeps < limit) & ~c.done, window, carry)
 
 
-@functools.partial(jax.jit, static_argnames=('rank', 'num_iterations', 'num_starts',
-                                             'check_every', 'dtype'))
+@functools.partial(
+    jax.jit, static_argnames=('rank', 'num_iterations', 'num_starts', 'check_every', 'dtype')
+)
 def _decompose(wq, wk, key, tol, *, rank, num_iterations, num_starts, check_every, dtype):
   """ALS from `num_starts` starts; the best after SCREEN_SWEEPS sweeps goes on to the end."""
   dq, h, d = wq.shape
@@ -355,22 +387,43 @@ def _decompose(wq, wk, key, tol, *, rank, num_iterations, num_starts, check_ever
     state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
     error = _relative_error64(state, g_q64, g_k64, norm2, h)
     history = jnp.full((num_checks,), jnp.nan, jnp.float64).at[0].set(error)
-    return _Carry(state, jnp.int32(0), jnp.float64(2.0), jnp.int32(0), history, error,
-                  error < ERROR_FLOOR, jnp.bool_(True))
+    return _Carry(
+        state,
+        jnp.int32(0),
+        jnp.float64(2.0),
+        jnp.int32(0),
+        history,
+        error,
+        error < ERROR_FLOOR,
+        jnp.bool_(True),
+    )
 
-  run = functools.partial(_iterate, check_every=check_every, tol=tol, g_q=g_q, g_k=g_k,
-                          g_q64=g_q64, g_k64=g_k64, norm2=norm2, h=h, d=d)
+  run = functools.partial(
+      _iterate,
+      check_every=check_every,
+      tol=tol,
+      g_q=g_q,
+      g_k=g_k,
+      g_q64=g_q64,
+      g_k64=g_k64,
+      norm2=norm2,
+      h=h,
+      d=d,
+  )
   carry = start(starts[0])
   if num_starts > 1:
     # One start after the other (lax.map, not vmap: see _unfolding_vectors on batched LAPACK).
     carries = jax.lax.map(
         lambda c: run(c, limit=min(SCREEN_SWEEPS, num_iterations)),
-        jax.tree.map(lambda *x: jnp.stack(x), *[start(s) for s in starts]))
+        jax.tree.map(lambda *x: jnp.stack(x), *[start(s) for s in starts]),
+    )
     carry = jax.tree.map(lambda x: x[jnp.argmin(carries.error)], carries)
   carry = run(carry, limit=num_iterations)
-  q, k, mixing = _normalize(w_q @ carry.state.x_q.astype(jnp.float64),
-                            w_k @ carry.state.x_k.astype(jnp.float64),
-                            carry.state.mixing.astype(jnp.float64))
+  q, k, mixing = _normalize(
+      w_q @ carry.state.x_q.astype(jnp.float64),
+      w_k @ carry.state.x_k.astype(jnp.float64),
+      carry.state.mixing.astype(jnp.float64),
+  )
   q, k, mixing = q.astype(dtype), k.astype(dtype), mixing.astype(dtype)
   return q, k, mixing, carry.history, carry.sweeps, _factors_error(wq64, wk64, q, k, mixing, norm2)
 

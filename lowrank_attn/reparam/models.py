@@ -30,6 +30,7 @@ CONVERTIBLE_KINDS = ('concat', 'fixed_head')
 
 class Converted(NamedTuple):
   """A re-parametrized model, its config and the error of each converted attention layer."""
+
   model: nnx.Module
   config: models.TransformerConfig
   # Per converted layer, by parameter path: |T - T^|_F / |T|_F of the per-head bilinear forms
@@ -37,9 +38,14 @@ class Converted(NamedTuple):
   relative_errors: dict[str, float]
 
 
-def to_collaborative(model: nnx.Module, key_dim: int | None = None,
-                     attention_types: Sequence[str] | None = None, *,
-                     rescale_logits: bool = False, **cp_options) -> Converted:
+def to_collaborative(
+    model: nnx.Module,
+    key_dim: int | None = None,
+    attention_types: Sequence[str] | None = None,
+    *,
+    rescale_logits: bool = False,
+    **cp_options,
+) -> Converted:
   """`model` with the attention of `attention_types` collaborative at shared key width key_dim.
 
   Each layer goes through `lowrank_attn.attention.concat_to_collaborative`: exact from
@@ -55,14 +61,18 @@ def to_collaborative(model: nnx.Module, key_dim: int | None = None,
       layers are concat or fixed_head. A named type with another kind is a ValueError naming
       the layer.
   """
+
   def convert(params, spec):
-    return concat_to_collaborative(params, spec, key_dim, rescale_logits=rescale_logits,
-                                   return_error=True, **cp_options)
+    return concat_to_collaborative(
+        params, spec, key_dim, rescale_logits=rescale_logits, return_error=True, **cp_options
+    )
+
   return _convert(model, attention_types, convert)
 
 
-def to_low_rank_concat(model: nnx.Module, key_dim: int,
-                       attention_types: Sequence[str] | None = None) -> Converted:
+def to_low_rank_concat(
+    model: nnx.Module, key_dim: int, attention_types: Sequence[str] | None = None
+) -> Converted:
   """`model` with each head's W_Q^(i) W_K^(i)T truncated by SVD to its share of key_dim.
 
   `lowrank_attn.attention.per_head_svd` per layer: concat heads of query/key width
@@ -70,8 +80,10 @@ def to_low_rank_concat(model: nnx.Module, key_dim: int,
   config's mixing_init 'concatenate' draws the same mixing). To keep them concat heads while
   training, freeze the mixing (`--config.trainable='^(?!.*mixing)'`).
   """
+
   def convert(params, spec):
     return per_head_svd(params, spec, key_dim, return_error=True)
+
   return _convert(model, attention_types, convert)
 
 
@@ -88,18 +100,22 @@ LayerConversion = Callable[[dict, AttentionSpec], tuple[dict, AttentionSpec, flo
 
 def _convert(model: nnx.Module, attention_types, convert_layer: LayerConversion) -> Converted:
   if not isinstance(model, (models.DecoderLM, models.EncoderMLM, models.EncoderDecoder)):
-    raise ValueError(f'model must be a DecoderLM, EncoderMLM or EncoderDecoder, got '
-                     f'{type(model).__name__}.')
+    raise ValueError(
+        f'model must be a DecoderLM, EncoderMLM or EncoderDecoder, got ' f'{type(model).__name__}.'
+    )
   available = model_attention_types(model)
   if attention_types is None:
-    attention_types = [t for t in available
-                       if getattr(model.cfg, f'{t}_attention').kind in CONVERTIBLE_KINDS]
+    attention_types = [
+        t for t in available if getattr(model.cfg, f'{t}_attention').kind in CONVERTIBLE_KINDS
+    ]
   elif isinstance(attention_types, str):
     attention_types = [attention_types]
   unknown = [t for t in attention_types if t not in available]
   if unknown or not attention_types:
-    raise ValueError(f'attention_types={attention_types!r}: this {type(model).__name__} has '
-                     f'attention types {available}; name one or more of them.')
+    raise ValueError(
+        f'attention_types={attention_types!r}: this {type(model).__name__} has '
+        f'attention types {available}; name one or more of them.'
+    )
 
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   templates, specs, errors = {}, {}, {}
@@ -122,8 +138,10 @@ def _convert(model: nnx.Module, attention_types, convert_layer: LayerConversion)
   for attention_type, layer_specs in specs.items():  # the config builds exactly these layers
     for i, (path, spec) in enumerate(layer_specs):
       if cfg.attention(attention_type, i) != spec:
-        raise ValueError(f'{path}: the converted layer {spec} differs from what the converted '
-                         f'config builds, {cfg.attention(attention_type, i)}.')
+        raise ValueError(
+            f'{path}: the converted layer {spec} differs from what the converted '
+            f'config builds, {cfg.attention(attention_type, i)}.'
+        )
   return Converted(_build(model, cfg, params), cfg, errors)
 
 
@@ -141,11 +159,14 @@ def _template(template: AttentionSpec, layer_specs) -> AttentionSpec:
   for field in ('kind', 'key_dim', 'logit_scale'):
     values = {path: getattr(spec, field) for path, spec in layer_specs}
     if len(set(values.values())) > 1:
-      raise ValueError(f'the converted layers differ in {field} ({values}); a model config '
-                       'holds one per attention type.')
+      raise ValueError(
+          f'the converted layers differ in {field} ({values}); a model config '
+          'holds one per attention type.'
+      )
   _, first = layer_specs[0]
-  return dataclasses.replace(template, kind=first.kind, key_dim=first.key_dim,
-                             logit_scale=first.logit_scale)
+  return dataclasses.replace(
+      template, kind=first.kind, key_dim=first.key_dim, logit_scale=first.logit_scale
+  )
 
 
 def _set_subtree(tree: dict, path: str, value: dict) -> None:
@@ -178,14 +199,24 @@ def _build(model: nnx.Module, cfg: models.TransformerConfig, params: dict) -> nn
   wanted = _flatten(nnx.to_pure_dict(state))
   given = _flatten(params)
   missing, extra_names = sorted(set(wanted) - set(given)), sorted(set(given) - set(wanted))
-  misfit = [f'{name} {np.shape(given[name])} != {wanted[name].shape}' for name in wanted
-            if name in given and tuple(np.shape(given[name])) != tuple(wanted[name].shape)]
+  misfit = [
+      f'{name} {np.shape(given[name])} != {wanted[name].shape}'
+      for name in wanted
+      if name in given and tuple(np.shape(given[name])) != tuple(wanted[name].shape)
+  ]
   if missing or extra_names or misfit:
-    raise ValueError(f'converted parameters do not fit the converted config: missing '
-                     f'{missing}, unexpected {extra_names}, wrong shapes {misfit}.')
+    raise ValueError(
+        f'converted parameters do not fit the converted config: missing '
+        f'{missing}, unexpected {extra_names}, wrong shapes {misfit}.'
+    )
   # Copies: the new model shares no buffer with the original (donating one must not delete
   # the other's).
-  nnx.replace_by_pure_dict(state, jax.tree.map(
-      lambda value, target: jnp.array(value, target.dtype, copy=True), params,
-      nnx.to_pure_dict(state)))
+  nnx.replace_by_pure_dict(
+      state,
+      jax.tree.map(
+          lambda value, target: jnp.array(value, target.dtype, copy=True),
+          params,
+          nnx.to_pure_dict(state),
+      ),
+  )
   return nnx.merge(graphdef, state, *rest)

@@ -19,13 +19,15 @@ import ml_collections
 
 from lowrank_attn import runs
 from lowrank_attn.reparam.models import Converted
+
 # Re-exported by `lowrank_attn.reparam` (their home is `lowrank_attn.runs`).
 
 CONVERSION_FILE = 'conversion.json'
 
 
-def write_run(converted: Converted, workdir: str | os.PathLike,
-              config: ml_collections.ConfigDict) -> dict[str, Any]:
+def write_run(
+    converted: Converted, workdir: str | os.PathLike, config: ml_collections.ConfigDict
+) -> dict[str, Any]:
   """Writes a converted model as a run to warm-start from; returns the config overrides.
 
   Args:
@@ -45,6 +47,8 @@ def write_run(converted: Converted, workdir: str | os.PathLike,
   run = runs.RunDir(workdir)
   overrides = run.write_model(converted.model, config)
   # Written last and whole: its presence marks a finished conversion.
-  runs.write_atomic(os.path.join(run.path, CONVERSION_FILE), json.dumps(
-      {'overrides': overrides, 'relative_errors': converted.relative_errors}, indent=2))
+  runs.write_atomic(
+      os.path.join(run.path, CONVERSION_FILE),
+      json.dumps({'overrides': overrides, 'relative_errors': converted.relative_errors}, indent=2),
+  )
   return overrides

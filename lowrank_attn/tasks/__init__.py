@@ -15,8 +15,15 @@ import importlib
 import pkgutil
 
 from lowrank_attn import data as data_lib
-from lowrank_attn.tasks.base import (EvalContext, Evaluator, FinalResult, LossEvaluator, Task,
-                                     cross_entropy, token_summary)
+from lowrank_attn.tasks.base import (
+    EvalContext,
+    Evaluator,
+    FinalResult,
+    LossEvaluator,
+    Task,
+    cross_entropy,
+    token_summary,
+)
 
 _NOT_TASKS = ('base',)
 
@@ -58,5 +65,16 @@ def load_tokenizer(data_config, workdir):
   return data_lib.load_tokenizer(data_config, workdir, format=task.data_format)
 
 
-__all__ = ['EvalContext', 'Evaluator', 'FinalResult', 'LossEvaluator', 'TASKS', 'Task',
-           'cross_entropy', 'get', 'load_tokenizer', 'make_pipeline', 'token_summary']
+__all__ = [
+    'EvalContext',
+    'Evaluator',
+    'FinalResult',
+    'LossEvaluator',
+    'TASKS',
+    'Task',
+    'cross_entropy',
+    'get',
+    'load_tokenizer',
+    'make_pipeline',
+    'token_summary',
+]

@@ -112,12 +112,17 @@ def token_summary(totals: Mapping[str, float]) -> dict[str, float]:
   """Token-level loss, perplexity and accuracy from summed nll / correct / weight."""
   weight = max(totals['weight'], 1.0)
   loss = totals['nll'] / weight
-  return {'loss': loss, 'perplexity': math.exp(min(loss, 50.0)),
-          'accuracy': totals['correct'] / weight, 'tokens': totals['weight']}
+  return {
+      'loss': loss,
+      'perplexity': math.exp(min(loss, 50.0)),
+      'accuracy': totals['correct'] / weight,
+      'tokens': totals['weight'],
+  }
 
 
-def cross_entropy(logits: Array, targets: Array, weights: Array,
-                  label_smoothing: float = 0.0) -> dict[str, Array]:
+def cross_entropy(
+    logits: Array, targets: Array, weights: Array, label_smoothing: float = 0.0
+) -> dict[str, Array]:
   """Weighted sums over tokens (or rows): negative log-likelihood, smoothed objective,
   correct, weight.
 
@@ -131,8 +136,12 @@ def cross_entropy(logits: Array, targets: Array, weights: Array,
     objective = (1 - label_smoothing) * nll - label_smoothing * jnp.mean(log_probs, axis=-1)
   weights = weights.astype(jnp.float32)
   correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-  return {'nll': jnp.sum(nll * weights), 'objective': jnp.sum(objective * weights),
-          'correct': jnp.sum(correct * weights), 'weight': jnp.sum(weights)}
+  return {
+      'nll': jnp.sum(nll * weights),
+      'objective': jnp.sum(objective * weights),
+      'correct': jnp.sum(correct * weights),
+      'weight': jnp.sum(weights),
+  }
 
 
 def token_loss(outputs: Array, batch: Batch, label_smoothing: float) -> dict[str, Array]:
@@ -142,8 +151,12 @@ def token_loss(outputs: Array, batch: Batch, label_smoothing: float) -> dict[str
 
 def sequence_forward(model, batch: Batch, **options):
   """One token sequence per row (decoder LM, encoder MLM)."""
-  return model(batch['inputs'], positions=batch.get('positions'),
-               segment_ids=batch.get('segment_ids'), **options)
+  return model(
+      batch['inputs'],
+      positions=batch.get('positions'),
+      segment_ids=batch.get('segment_ids'),
+      **options,
+  )
 
 
 def sequence_flops(model, shapes) -> int:

@@ -50,8 +50,10 @@ def glue_task(data_name: str) -> tuple[str, glue_data.GlueTask]:
   """('cola', its spec) of data.name 'glue/cola'; ValueError for other names."""
   task = data_name.removeprefix('glue/')
   if not data_name.startswith('glue/') or task not in glue_data.TASKS:
-    raise ValueError(f'data.name={data_name!r} is not a GLUE task; valid: '
-                     f'{sorted("glue/" + t for t in glue_data.TASKS)}.')
+    raise ValueError(
+        f'data.name={data_name!r} is not a GLUE task; valid: '
+        f'{sorted("glue/" + t for t in glue_data.TASKS)}.'
+    )
   return task, glue_data.TASKS[task]
 
 
@@ -80,21 +82,28 @@ class EncodeGlue:
       ids += [*part, self.tokenizer.eos_id]
       types += [i] * (len(part) + 1)
     label = example['label']
-    return {'inputs': np.asarray(ids, np.int32), 'token_types': np.asarray(types, np.int32),
-            'targets': np.asarray(label, np.float32 if self.regression else np.int32)}
+    return {
+        'inputs': np.asarray(ids, np.int32),
+        'token_types': np.asarray(types, np.int32),
+        'targets': np.asarray(label, np.float32 if self.regression else np.int32),
+    }
 
 
 class PadExample:
+
   def __init__(self, max_length: int):
     self.max_length = max_length
 
   def __call__(self, example):
     n = len(example['inputs'])
-    return {'inputs': transforms.pad(example['inputs'], self.max_length),
-            'token_types': transforms.pad(example['token_types'], self.max_length),
-            'segment_ids': transforms.pad(np.ones(n, np.int32), self.max_length),
-            'positions': transforms.pad(np.arange(n, dtype=np.int32), self.max_length),
-            'targets': example['targets'], 'weights': np.float32(1.0)}
+    return {
+        'inputs': transforms.pad(example['inputs'], self.max_length),
+        'token_types': transforms.pad(example['token_types'], self.max_length),
+        'segment_ids': transforms.pad(np.ones(n, np.int32), self.max_length),
+        'positions': transforms.pad(np.arange(n, dtype=np.int32), self.max_length),
+        'targets': example['targets'],
+        'weights': np.float32(1.0),
+    }
 
 
 class GlueFormat(RowFormat):
@@ -103,12 +112,14 @@ class GlueFormat(RowFormat):
   def check_config(self, config):
     glue_task(config.name)
     if config.tokenizer != 'wordpiece':
-      raise ValueError(f"tokenizer={config.tokenizer!r}: GLUE rows are BERT's [CLS] a [SEP] b "
-                       "[SEP]; use tokenizer='wordpiece'.")
+      raise ValueError(
+          f"tokenizer={config.tokenizer!r}: GLUE rows are BERT's [CLS] a [SEP] b "
+          "[SEP]; use tokenizer='wordpiece'."
+      )
 
   def file_features(self, config, text_feature):
     _, spec = glue_task(config.name)
-    return ('sentence1', 'sentence2')[:len(spec.sentence_columns)]
+    return ('sentence1', 'sentence2')[: len(spec.sentence_columns)]
 
   def encoder(self, tokenizer, fields, config, *, truncate):
     del truncate  # always cut: every example is kept, in training too
@@ -120,9 +131,14 @@ class GlueFormat(RowFormat):
   def row_spec(self, config, *, train):
     row = ArraySpec((config.max_length,), np.dtype(np.int32))
     target = np.float32 if _is_regression(config.name) else np.int32
-    return {'inputs': row, 'token_types': row, 'segment_ids': row, 'positions': row,
-            'targets': ArraySpec((), np.dtype(target)),
-            'weights': ArraySpec((), np.dtype(np.float32))}
+    return {
+        'inputs': row,
+        'token_types': row,
+        'segment_ids': row,
+        'positions': row,
+        'targets': ArraySpec((), np.dtype(target)),
+        'weights': ArraySpec((), np.dtype(np.float32)),
+    }
 
 
 # ------------------------------------------------------------------------------------ model
@@ -135,8 +151,15 @@ class SentenceClassifier(models.EncoderMLM):
   mlm run) warm-starts it by `config.init_from`; the head starts from scratch.
   """
 
-  def __init__(self, cfg: models.TransformerConfig, *, num_outputs: int, pooling: str,
-               classifier_dropout: float, rngs: nnx.Rngs):
+  def __init__(
+      self,
+      cfg: models.TransformerConfig,
+      *,
+      num_outputs: int,
+      pooling: str,
+      classifier_dropout: float,
+      rngs: nnx.Rngs,
+  ):
     super().__init__(cfg, rngs=rngs)
     del self.head_dense, self.head_norm, self.output_bias, self.activation  # the MLM head
     if self.output is not None:
@@ -144,23 +167,49 @@ class SentenceClassifier(models.EncoderMLM):
     self.num_outputs, self.pooling = num_outputs, pooling
     self.classifier_dropout = nnx.Dropout(classifier_dropout)
     self.classifier = nnx.Linear(
-        cfg.emb_dim, num_outputs, dtype=jnp.float32, param_dtype=cfg.parameter_dtype,
-        kernel_init=nnx.initializers.normal(0.02), rngs=rngs,
-        kernel_metadata=logical('embed', None), bias_metadata=logical(None))
+        cfg.emb_dim,
+        num_outputs,
+        dtype=jnp.float32,
+        param_dtype=cfg.parameter_dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
+        kernel_metadata=logical('embed', None),
+        bias_metadata=logical(None),
+    )
 
   def constructor_kwargs(self) -> dict:
     """The arguments besides the config that build this model again (e.g. re-parametrized)."""
-    return {'num_outputs': self.num_outputs, 'pooling': self.pooling,
-            'classifier_dropout': self.classifier_dropout.rate}
+    return {
+        'num_outputs': self.num_outputs,
+        'pooling': self.pooling,
+        'classifier_dropout': self.classifier_dropout.rate,
+    }
 
-  def __call__(self, inputs, *, positions=None, segment_ids=None, token_types=None,
-               deterministic: bool = True, rngs: nnx.Rngs | None = None, head_masks=None,
-               return_weights: bool = False, return_logits: bool = False):
+  def __call__(
+      self,
+      inputs,
+      *,
+      positions=None,
+      segment_ids=None,
+      token_types=None,
+      deterministic: bool = True,
+      rngs: nnx.Rngs | None = None,
+      head_masks=None,
+      return_weights: bool = False,
+      return_logits: bool = False,
+  ):
     """inputs `[batch, length]` -> (logits `[batch, classes]` or scores `[batch]`, aux)."""
-    hidden, extras = self.encode(inputs, positions=positions, segment_ids=segment_ids,
-                                 token_types=token_types, deterministic=deterministic, rngs=rngs,
-                                 head_masks=head_masks, return_weights=return_weights,
-                                 return_logits=return_logits)
+    hidden, extras = self.encode(
+        inputs,
+        positions=positions,
+        segment_ids=segment_ids,
+        token_types=token_types,
+        deterministic=deterministic,
+        rngs=rngs,
+        head_masks=head_masks,
+        return_weights=return_weights,
+        return_logits=return_logits,
+    )
     hidden = hidden.astype(jnp.float32)
     if self.pooling == 'cls':
       pooled = hidden[:, 0]
@@ -175,20 +224,30 @@ class SentenceClassifier(models.EncoderMLM):
 
   def flops(self, batch_size: int, length: int) -> int:
     return self.encoder.flops(batch_size, length) + 2 * batch_size * self.cfg.emb_dim * (
-        self.num_outputs)
+        self.num_outputs
+    )
 
 
 def _create_model(config, model_cfg, bos_id, rngs):
   del bos_id
   _, spec = glue_task(config.data.name)
-  return SentenceClassifier(model_cfg, num_outputs=spec.num_classes,
-                            pooling=config.glue.pooling,
-                            classifier_dropout=config.glue.classifier_dropout, rngs=rngs)
+  return SentenceClassifier(
+      model_cfg,
+      num_outputs=spec.num_classes,
+      pooling=config.glue.pooling,
+      classifier_dropout=config.glue.classifier_dropout,
+      rngs=rngs,
+  )
 
 
 def _forward(model, batch, **options):
-  return model(batch['inputs'], positions=batch['positions'], segment_ids=batch['segment_ids'],
-               token_types=batch['token_types'], **options)
+  return model(
+      batch['inputs'],
+      positions=batch['positions'],
+      segment_ids=batch['segment_ids'],
+      token_types=batch['token_types'],
+      **options,
+  )
 
 
 def _loss(outputs, batch, label_smoothing):
@@ -228,8 +287,10 @@ def glue_metrics(task: str, predictions: np.ndarray, labels: np.ndarray) -> dict
   """The GLUE metrics of `task` (x100) and its `score`; predictions are classes or scores."""
   predictions, labels = np.asarray(predictions, np.float64), np.asarray(labels, np.float64)
   if task == 'stsb':
-    out = {'pearson': 100 * _pearson(predictions, labels),
-           'spearman': 100 * _pearson(_ranks(predictions), _ranks(labels))}
+    out = {
+        'pearson': 100 * _pearson(predictions, labels),
+        'spearman': 100 * _pearson(_ranks(predictions), _ranks(labels)),
+    }
     return {**out, 'score': (out['pearson'] + out['spearman']) / 2}
   accuracy = 100 * float(np.mean(predictions == labels))
   if task == 'cola':  # Matthews correlation of the binary confusion matrix
@@ -268,8 +329,11 @@ class GlueEvaluator(base.Evaluator):
     """The metrics, and `<name>_predictions.json` (every example's prediction and label, in
     the split's order) for paired comparisons of runs (e.g. bootstrap intervals)."""
     predictions, labels = self._predict_split(params, pipeline, -1)
-    metrics = glue_metrics(glue_task(self.context.setup.config.data.name)[0], predictions,
-                           labels) if len(labels) else {}
+    metrics = (
+        glue_metrics(glue_task(self.context.setup.config.data.name)[0], predictions, labels)
+        if len(labels)
+        else {}
+    )
     text = json.dumps({'predictions': predictions.tolist(), 'labels': labels.tolist()})
     return base.FinalResult(metrics, files={f'{name}_predictions.json': text + '\n'})
 
@@ -280,8 +344,10 @@ class GlueEvaluator(base.Evaluator):
     for batch in self.context.batches(pipeline, num_batches):
       with s.activate():
         out = self._predict(params, s.global_batch(batch))
-      out, targets, weights = (np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                               for x in (out, batch['targets'], batch['weights']))
+      out, targets, weights = (
+          np.asarray(multihost_utils.process_allgather(x, tiled=True))
+          for x in (out, batch['targets'], batch['weights'])
+      )
       keep = weights > 0
       predictions.append(out[keep])
       labels.append(targets[keep])

@@ -33,9 +33,13 @@ class AddTokenWeights:
   """Loss weight 1 on every token of a segment."""
 
   def __call__(self, row):
-    return {'inputs': row['inputs'], 'targets': row['targets'],
-            'weights': (row['segment_ids'] > 0).astype(np.float32),
-            'segment_ids': row['segment_ids'], 'positions': row['positions']}
+    return {
+        'inputs': row['inputs'],
+        'targets': row['targets'],
+        'weights': (row['segment_ids'] > 0).astype(np.float32),
+        'segment_ids': row['segment_ids'],
+        'positions': row['positions'],
+    }
 
 
 class LMFormat(RowFormat):
@@ -51,15 +55,18 @@ class LMFormat(RowFormat):
   def rows(self, ds, config, *, batch_size, train):
     if config.packing:
       ds = transforms.concat_then_split(
-          ds, {'inputs': config.max_length, 'targets': config.max_length}, 'inputs')
+          ds, {'inputs': config.max_length, 'targets': config.max_length}, 'inputs'
+      )
     else:
       ds = ds.map(transforms.PadDocument(config.max_length, 'inputs'))
     return ds.map(AddTokenWeights())
 
   def row_spec(self, config, *, train):
     shape = (config.max_length,)
-    return {key: ArraySpec(shape, np.dtype(np.float32 if key == 'weights' else np.int32))
-            for key in ('inputs', 'targets', 'weights', 'segment_ids', 'positions')}
+    return {
+        key: ArraySpec(shape, np.dtype(np.float32 if key == 'weights' else np.int32))
+        for key in ('inputs', 'targets', 'weights', 'segment_ids', 'positions')
+    }
 
   def num_rows(self, examples, encode, config):
     if not config.packing:

@@ -46,18 +46,25 @@ class MLMFormat(RowFormat):
 
   def row_spec(self, config, *, train):
     shape = (config.max_length,)
-    return {key: ArraySpec(shape, np.dtype(np.int32))
-            for key in ('tokens', 'segment_ids', 'positions')}
+    return {
+        key: ArraySpec(shape, np.dtype(np.int32)) for key in ('tokens', 'segment_ids', 'positions')
+    }
 
   def element_spec(self, config, *, batch_size, train):
     shape = (batch_size, config.max_length)
-    return {key: ArraySpec(shape, np.dtype(np.float32 if key == 'weights' else np.int32))
-            for key in ('inputs', 'targets', 'weights', 'segment_ids', 'positions')}
+    return {
+        key: ArraySpec(shape, np.dtype(np.float32 if key == 'weights' else np.int32))
+        for key in ('inputs', 'targets', 'weights', 'segment_ids', 'positions')
+    }
 
   def finish_batch(self, batch, *, tokenizer, config, rng):
     tokens = batch.pop('tokens')
-    return {**batch, **transforms.mask_tokens(tokens, batch['segment_ids'], tokenizer,
-                                              config.mlm_probability, rng)}
+    return {
+        **batch,
+        **transforms.mask_tokens(
+            tokens, batch['segment_ids'], tokenizer, config.mlm_probability, rng
+        ),
+    }
 
   def num_rows(self, examples, encode, config):
     if not config.packing:

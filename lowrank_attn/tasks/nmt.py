@@ -22,8 +22,12 @@ from lowrank_attn.data import ArraySpec, FirstFitPacking, RowFormat, transforms
 from lowrank_attn.tasks import base
 
 KEYS = ('inputs', 'targets', 'weights')
-PACKED_KEYS = KEYS + ('inputs_segment_ids', 'inputs_positions', 'targets_segment_ids',
-                      'targets_positions')
+PACKED_KEYS = KEYS + (
+    'inputs_segment_ids',
+    'inputs_positions',
+    'targets_segment_ids',
+    'targets_positions',
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,7 @@ class DecodeConfig:
   def __post_init__(self):
     def bad(name, expected):
       raise ValueError(f'{name}={getattr(self, name)!r} is invalid: expected {expected}.')
+
     for name, minimum in (('beam_size', 1), ('max_length', 1)):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -68,13 +73,17 @@ class EncodeNMT:
 
 
 class PadPair:
+
   def __init__(self, max_length: int):
     self.max_length = max_length
 
   def __call__(self, pair):
     targets = transforms.pad(pair['targets'], self.max_length)
-    return {'inputs': transforms.pad(pair['inputs'], self.max_length), 'targets': targets,
-            'weights': (targets != 0).astype(np.float32)}
+    return {
+        'inputs': transforms.pad(pair['inputs'], self.max_length),
+        'targets': targets,
+        'weights': (targets != 0).astype(np.float32),
+    }
 
 
 class FinishPackedPair:
@@ -96,7 +105,8 @@ class NMTFormat(RowFormat):
   def check_config(self, config):
     if config.source_lang == config.target_lang:
       raise ValueError(
-          f'source_lang and target_lang are both {config.source_lang!r}; nmt needs two sides.')
+          f'source_lang and target_lang are both {config.source_lang!r}; nmt needs two sides.'
+      )
 
   def file_features(self, config, text_feature):
     return (config.source_lang, config.target_lang)
@@ -121,9 +131,10 @@ class NMTFormat(RowFormat):
 
   def row_spec(self, config, *, train):
     keys = PACKED_KEYS if self.packed(config, train=train) else KEYS
-    return {key: ArraySpec((config.max_length,),
-                           np.dtype(np.float32 if key == 'weights' else np.int32))
-            for key in keys}
+    return {
+        key: ArraySpec((config.max_length,), np.dtype(np.float32 if key == 'weights' else np.int32))
+        for key in keys
+    }
 
 
 def _forward(model, batch, **options):
@@ -150,23 +161,31 @@ class BleuEvaluator(base.Evaluator):
 
   def evaluate(self, params, pipeline, num_batches):
     from lowrank_attn.train import decode  # pylint: disable=g-import-not-at-top
+
     s = self.context.setup
     if s.config.decode.num_examples == 0:
       return {}
-    return decode.bleu(s, params, self.context.batches(pipeline), self.context.tokenizer,
-                       s.config.decode)
+    return decode.bleu(
+        s, params, self.context.batches(pipeline), self.context.tokenizer, s.config.decode
+    )
 
   def final(self, params, pipeline, name):
     from lowrank_attn.train import decode  # pylint: disable=g-import-not-at-top
     from lowrank_attn.train import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+
     s = self.context.setup
     config = s.config
     if self._translator is None:  # one per run: its compiled searches serve every split
       self._translator = decode.Translator(
-          s, params, self.context.tokenizer, beam_size=config.decode.beam_size,
-          length_penalty=config.decode.length_penalty, max_length=config.decode.max_length,
+          s,
+          params,
+          self.context.tokenizer,
+          beam_size=config.decode.beam_size,
+          length_penalty=config.decode.length_penalty,
+          max_length=config.decode.max_length,
           batch_size=decode.default_batch_size(config),
-          source_max_length=config.data.max_length)
+          source_max_length=config.data.max_length,
+      )
     translator = self._translator
     translator.params = params
     source, target = config.data.source_lang, config.data.target_lang
@@ -177,20 +196,30 @@ class BleuEvaluator(base.Evaluator):
     translations = translator.translate(sources, progress=self.context.check_stop)
     scores = decode.score(translations.texts, references)
     bleu_key = 'bleu' if config.decode.beam_size > 1 else 'bleu_greedy'
-    metrics = {bleu_key: scores['bleu'], 'chrf': scores['chrf'],
-               'sentences': scores['sentences'],
-               'beam_size': float(config.decode.beam_size),
-               'truncated_sources': float(len(translations.truncated))}
+    metrics = {
+        bleu_key: scores['bleu'],
+        'chrf': scores['chrf'],
+        'sentences': scores['sentences'],
+        'beam_size': float(config.decode.beam_size),
+        'truncated_sources': float(len(translations.truncated)),
+    }
     where = name if name == pipeline.split else f'{name} ({pipeline.split})'
     metrics_lib.say(
         f'{where}: {scores["bleu_summary"]}  {scores["bleu_signature"]}; '
         f'chrF2 {scores["chrf"]:.2f} {scores["chrf_signature"]}; '
         f'{len(references)} sentences, beam {config.decode.beam_size}'
-        + (f', {len(translations.truncated)} sources cut to data.max_length='
-           f'{config.data.max_length} tokens' if translations.truncated else ''))
+        + (
+            f', {len(translations.truncated)} sources cut to data.max_length='
+            f'{config.data.max_length} tokens'
+            if translations.truncated
+            else ''
+        )
+    )
     return base.FinalResult(
-        metrics, strings={k: scores[k] for k in ('bleu_signature', 'chrf_signature')},
-        files={f'{name}.txt': ''.join(t + '\n' for t in translations.texts)})
+        metrics,
+        strings={k: scores[k] for k in ('bleu_signature', 'chrf_signature')},
+        files={f'{name}.txt': ''.join(t + '\n' for t in translations.texts)},
+    )
 
   def finish(self):
     if self._translator is None:
@@ -200,8 +229,10 @@ class BleuEvaluator(base.Evaluator):
 
 def _check_config(config):
   if config.model.positions == 'learned' and config.decode.max_length > config.model.max_length:
-    raise ValueError(f'config.decode.max_length={config.decode.max_length!r} is invalid: must be '
-                     f'<= model.max_length={config.model.max_length} with learned positions.')
+    raise ValueError(
+        f'config.decode.max_length={config.decode.max_length!r} is invalid: must be '
+        f'<= model.max_length={config.model.max_length} with learned positions.'
+    )
 
 
 TASK = base.Task(
@@ -209,12 +240,15 @@ TASK = base.Task(
     attention_types=('encoder', 'decoder', 'cross'),
     data_format=NMTFormat(),
     create_model=lambda config, model_cfg, bos_id, rngs: models.EncoderDecoder(
-        model_cfg, bos_id=bos_id, rngs=rngs),
+        model_cfg, bos_id=bos_id, rngs=rngs
+    ),
     forward=_forward,
     flops=_flops,
     real_tokens=_real_tokens,
-    evaluators=lambda context: [base.LossEvaluator(context, base.token_summary),
-                                BleuEvaluator(context)],
+    evaluators=lambda context: [
+        base.LossEvaluator(context, base.token_summary),
+        BleuEvaluator(context),
+    ],
     final_splits=lambda config: {'validation': 'validation', 'test': 'test'},
     settings={'decode': DecodeConfig},
     check_config=_check_config,

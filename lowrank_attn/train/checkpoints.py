@@ -64,7 +64,8 @@ def _one_line(error: BaseException) -> str:
   text = text[0] if text else ''
   if isinstance(error, OSError) and error.errno is not None and error.strerror:
     text = f'[Errno {error.errno}] {error.strerror}' + (
-        f': {error.filename!r}' if error.filename else '')
+        f': {error.filename!r}' if error.filename else ''
+    )
   return f'{type(error).__name__}: {text[:300]}'
 
 
@@ -76,8 +77,11 @@ class _QuietBackgroundSaveErrors(std_logging.Filter):
     if record.levelno < std_logging.ERROR or 'orbax' not in (record.pathname or ''):
       return True
     message = str(record.msg)
-    return not ('Handler Commit operations' in message or 'Save Finalize thread' in message
-                or 'Checkpointer failed' in message)
+    return not (
+        'Handler Commit operations' in message
+        or 'Save Finalize thread' in message
+        or 'Checkpointer failed' in message
+    )
 
 
 def _gather_data_states(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -87,7 +91,7 @@ def _gather_data_states(state: Mapping[str, Any]) -> dict[str, Any]:
   encoded = np.frombuffer(json.dumps(state).encode(), np.uint8)
   length = int(np.max(multihost_utils.process_allgather(np.array(encoded.size))))
   padded = np.zeros(length, np.uint8)
-  padded[:encoded.size] = encoded
+  padded[: encoded.size] = encoded
   gathered = multihost_utils.process_allgather(padded)
   return {str(i): json.loads(bytes(row).rstrip(b'\0').decode()) for i, row in enumerate(gathered)}
 
@@ -111,9 +115,11 @@ class Checkpointer:
         enable_async_checkpointing=async_save,
         # Leftovers of a save interrupted by a kill are deleted, never restored.
         cleanup_tmp_directories=True,
-        create=True)
+        create=True,
+    )
     self._manager = ocp.CheckpointManager(
-        self.directory, item_names=('state', 'data'), options=options)
+        self.directory, item_names=('state', 'data'), options=options
+    )
     self._pending: int | None = None  # the step of a save not yet known to have committed
     self.last_good: int | None = self._manager.latest_step()
     self._quiet = _QuietBackgroundSaveErrors()
@@ -134,9 +140,12 @@ class Checkpointer:
     try:
       started = self._manager.save(
           step,
-          args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  data=ocp.args.JsonSave(_gather_data_states(data_state))),
-          force=True)
+          args=ocp.args.Composite(
+              state=ocp.args.StandardSave(state),
+              data=ocp.args.JsonSave(_gather_data_states(data_state)),
+          ),
+          force=True,
+      )
     except Exception as e:  # the synchronous part (a synchronous save: all of it)
       raise CheckpointError(self._failed(step, e)) from e
     self._pending = step
@@ -160,24 +169,38 @@ class Checkpointer:
     except Exception as e:
       raise CheckpointError(self._failed(step, e)) from e
     self.last_good = step
-    for old in sorted(self._manager.all_steps())[:-self.keep]:
+    for old in sorted(self._manager.all_steps())[: -self.keep]:
       self._manager.delete(old)
 
   def _failed(self, step: int, error: BaseException) -> str:
-    last = (f'the last good checkpoint is step {self.last_good}' if self.last_good is not None
-            else 'no checkpoint was committed')
-    hint = ' (disk full: free space, then rerun to resume)' if (
-        isinstance(error, OSError) and error.errno == errno.ENOSPC
-        or 'No space left' in str(error)) else ''
-    return (f'saving checkpoint step {step} to {self.directory} failed: {_one_line(error)}'
-            f'{hint}; {last}.')
+    last = (
+        f'the last good checkpoint is step {self.last_good}'
+        if self.last_good is not None
+        else 'no checkpoint was committed'
+    )
+    hint = (
+        ' (disk full: free space, then rerun to resume)'
+        if (
+            isinstance(error, OSError)
+            and error.errno == errno.ENOSPC
+            or 'No space left' in str(error)
+        )
+        else ''
+    )
+    return (
+        f'saving checkpoint step {step} to {self.directory} failed: {_one_line(error)}'
+        f'{hint}; {last}.'
+    )
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
     """The state at `step`, laid out as `abstract_state`'s shardings (any mesh), and this
     process's data position."""
     restored = self._manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                      data=ocp.args.JsonRestore()))
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+        ),
+    )
     data = restored['data']
     key = str(jax.process_index())
     if not isinstance(data, Mapping) or any(not isinstance(v, Mapping) for v in data.values()):
@@ -185,11 +208,13 @@ class Checkpointer:
     if len(data) != jax.process_count() or key not in data:
       raise CheckpointMismatchError(
           f'checkpoint step {step} holds input positions of {len(data)} processes, but this run '
-          f'has {jax.process_count()}: resume with the same number of hosts.')
+          f'has {jax.process_count()}: resume with the same number of hosts.'
+      )
     return restored['state'], data[key]
 
-  def restore_latest(self, abstract_state: Any
-                     ) -> tuple[int | None, Any, dict[str, Any] | None, list[str]]:
+  def restore_latest(
+      self, abstract_state: Any
+  ) -> tuple[int | None, Any, dict[str, Any] | None, list[str]]:
     """`(step, state, data position, skipped)` of the newest checkpoint that restores; `(None,
     None, None, [])` if there is none.
 
@@ -214,8 +239,11 @@ class Checkpointer:
         if error is None and not np.all(ok):
           error = RuntimeError('another host could not read its part')
       if error is None:
-        skipped = [f'checkpoint step {s} is damaged ({reason}); skipped it and moved it to '
-                   f'{self._move_aside(s)}' for s, reason in failures]
+        skipped = [
+            f'checkpoint step {s} is damaged ({reason}); skipped it and moved it to '
+            f'{self._move_aside(s)}'
+            for s, reason in failures
+        ]
         if failures:
           if jax.process_count() > 1:
             multihost_utils.sync_global_devices('checkpoints: damaged moved aside')
@@ -227,7 +255,8 @@ class Checkpointer:
       raise CheckpointError(
           f'no checkpoint in {self.directory} could be restored (if the config changed since '
           'they were written, rerun with the old config or use a new --workdir): '
-          + '; '.join(f'step {s}: {reason}' for s, reason in failures))
+          + '; '.join(f'step {s}: {reason}' for s, reason in failures)
+      )
     return None, None, None, []
 
   def _move_aside(self, step: int) -> str:
@@ -264,16 +293,18 @@ def load_state(workdir: str, step: int | None = None) -> tuple[int, Any]:
   """
   directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
   handlers = {'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler()}
-  with ocp.CheckpointManager(directory, item_handlers=handlers,
-                             options=ocp.CheckpointManagerOptions(create=False)) as manager:
+  with ocp.CheckpointManager(
+      directory, item_handlers=handlers, options=ocp.CheckpointManagerOptions(create=False)
+  ) as manager:
     step = manager.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f'no checkpoint in {directory}')
     metadata = manager.item_metadata(step)['state']
     # A numpy target: restored on the host, whatever mesh wrote it.
     target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), metadata)
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target)))
+    restored = manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+    )
   return step, _int_keys(jax.tree.map(np.asarray, restored['state']))
 
 
@@ -282,19 +313,28 @@ def restore_params(workdir: str, step: int, abstract_params: Any) -> Any:
   `abstract_params`' shardings (ShapeDtypeStructs with shardings: any mesh)."""
   directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
   target = {'params': abstract_params}
-  with ocp.CheckpointManager(directory, item_names=('state',),
-                             options=ocp.CheckpointManagerOptions(create=False)) as manager:
-    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True)))
+  with ocp.CheckpointManager(
+      directory, item_names=('state',), options=ocp.CheckpointManagerOptions(create=False)
+  ) as manager:
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True,
+            )
+        ),
+    )
   return restored['state']['params']
 
 
 def _int_keys(tree):
   """Orbax stores dict keys as strings; layer indices come back as the ints NNX uses."""
   if isinstance(tree, dict):
-    return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v)
-            for k, v in tree.items()}
+    return {
+        int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in tree.items()
+    }
   return tree
 
 
@@ -333,8 +373,11 @@ class PreemptionWatcher:
       print(f'{name} again: exiting now, without saving.', file=sys.stderr, flush=True)
       os._exit(128 + signum)  # pylint: disable=protected-access
     self.signum = signum
-    logging.warning('%s received: saving a checkpoint at the next step boundary (or stopping '
-                    'the evaluation), then exiting. Send it again to exit at once.', name)
+    logging.warning(
+        '%s received: saving a checkpoint at the next step boundary (or stopping '
+        'the evaluation), then exiting. Send it again to exit at once.',
+        name,
+    )
 
   @property
   def exit_status(self) -> int:
@@ -382,7 +425,8 @@ class WorkdirLock:
       os.close(fd)
       raise WorkdirBusyError(
           f'{workdir} is in use by another run ({holder}, lock {self.path}); wait for it to '
-          'end, stop it, or pass another --workdir.') from None
+          'end, stop it, or pass another --workdir.'
+      ) from None
     now = datetime.datetime.now().astimezone().isoformat(timespec='seconds')
     os.ftruncate(fd, 0)
     os.pwrite(fd, f'pid {os.getpid()} on host {socket.gethostname()}, started {now}\n'.encode(), 0)

@@ -133,17 +133,22 @@ class TrainConfig:
   peak_flops_per_device: float | None = None  # for MFU; None: the published peak (CPU: no MFU)
 
   def __post_init__(self):
-    if self.init_from is not None and (not isinstance(self.init_from, str) or
-                                       not self.init_from):
+    if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
       _fail('init_from', self.init_from, "expected 'DIR' or 'DIR:STEP'")
     if self.trainable is not None:
       try:
         re.compile(self.trainable)
       except (re.error, TypeError) as e:
         _fail('trainable', self.trainable, f'not a regular expression ({e})')
-    for name in ('num_train_steps', 'per_device_batch_size', 'grad_accum_steps',
-                 'log_every_steps', 'checkpoint_every_steps', 'keep_checkpoints',
-                 'max_steps_in_flight'):
+    for name in (
+        'num_train_steps',
+        'per_device_batch_size',
+        'grad_accum_steps',
+        'log_every_steps',
+        'checkpoint_every_steps',
+        'keep_checkpoints',
+        'max_steps_in_flight',
+    ):
       _require_int(name, getattr(self, name), 1)
     _require_int('seed', self.seed, 0)
     _require_int('eval_every_steps', self.eval_every_steps, 0)
@@ -159,13 +164,17 @@ class TrainConfig:
     if self.gate_learning_rate is not None:
       _require_number('gate_learning_rate', self.gate_learning_rate, 0.0)
       if not self.learning_rate > 0:
-        _fail('gate_learning_rate', self.gate_learning_rate,
-              'needs learning_rate > 0 (it scales the updates learning_rate gives)')
+        _fail(
+            'gate_learning_rate',
+            self.gate_learning_rate,
+            'needs learning_rate > 0 (it scales the updates learning_rate gives)',
+        )
     if self.lr_schedule not in optim.SCHEDULES:
       _fail('lr_schedule', self.lr_schedule, f'expected one of {optim.SCHEDULES}')
     _require_int('warmup_steps', self.warmup_steps, 0)
-    _require_number('end_learning_rate_factor', self.end_learning_rate_factor, 0.0, 1.0,
-                    high_inclusive=True)
+    _require_number(
+        'end_learning_rate_factor', self.end_learning_rate_factor, 0.0, 1.0, high_inclusive=True
+    )
     _require_number('weight_decay', self.weight_decay, 0.0)
     _require_number('adam_b1', self.adam_b1, 0.0, 1.0)
     _require_number('adam_b2', self.adam_b2, 0.0, 1.0)
@@ -184,18 +193,23 @@ class TrainConfig:
     rules = sharding.validate_rules(self.logical_axis_rules)
     missing = [name for name in models.LOGICAL_AXES if name not in dict(rules)]
     if missing:
-      _fail('logical_axis_rules', self.logical_axis_rules,
-            f'no rule for logical axes {missing} (add e.g. ({missing[0]!r}, None))')
-    if self.coordinator_address is not None and (not isinstance(self.coordinator_address, str)
-                                                 or not self.coordinator_address):
+      _fail(
+          'logical_axis_rules',
+          self.logical_axis_rules,
+          f'no rule for logical axes {missing} (add e.g. ({missing[0]!r}, None))',
+      )
+    if self.coordinator_address is not None and (
+        not isinstance(self.coordinator_address, str) or not self.coordinator_address
+    ):
       _fail('coordinator_address', self.coordinator_address, "expected 'host:port' or None")
     if self.num_processes is not None:
       _require_int('num_processes', self.num_processes, 1)
     if self.process_id is not None:
       _require_int('process_id', self.process_id, 0)
       if self.num_processes is not None and self.process_id >= self.num_processes:
-        _fail('process_id', self.process_id,
-              f'expected < config.num_processes={self.num_processes}')
+        _fail(
+            'process_id', self.process_id, f'expected < config.num_processes={self.num_processes}'
+        )
     if self.peak_flops_per_device is not None:
       _require_number('peak_flops_per_device', self.peak_flops_per_device, 1.0)
 
@@ -209,18 +223,25 @@ def train_config(config: ml_collections.ConfigDict) -> TrainConfig:
 def _model_exclude(task: tasks.Task) -> tuple[str, ...]:
   """TransformerConfig fields that are not config entries: set from data, or unused by task."""
   layer_fields = ('num_encoder_layers', 'num_decoder_layers')
-  return ('vocab_size', *(f'{t}_attention' for t in models.ATTENTION_TYPES),
-          *(f for f in layer_fields if f not in task.layer_fields))
+  return (
+      'vocab_size',
+      *(f'{t}_attention' for t in models.ATTENTION_TYPES),
+      *(f for f in layer_fields if f not in task.layer_fields),
+  )
 
 
 def _model_config_dict(task: tasks.Task) -> ml_collections.ConfigDict:
-  model = schema.config_dict(models.TransformerConfig, exclude=_model_exclude(task),
-                             **{field: 6 for field in task.layer_fields})  # Transformer-base
+  model = schema.config_dict(
+      models.TransformerConfig,
+      exclude=_model_exclude(task),
+      **{field: 6 for field in task.layer_fields},
+  )  # Transformer-base
   default = models.config.DEFAULT_ATTENTION.options()
   model.attention = schema.config_dict(AttentionSpec, exclude=SIZE_FIELDS, **default)
   for attention_type in task.attention_types:
     model[f'{attention_type}_attention'] = schema.config_dict(
-        AttentionSpec, exclude=SIZE_FIELDS, inherit=True)
+        AttentionSpec, exclude=SIZE_FIELDS, inherit=True
+    )
   return model
 
 
@@ -254,7 +275,8 @@ def load(spec: str) -> ml_collections.ConfigDict:
   if not os.path.isfile(path):
     raise ValueError(f'config file {path!r} (from {spec!r}) does not exist.')
   module_spec = importlib.util.spec_from_file_location(
-      'lowrank_attn_config_' + os.path.basename(path).removesuffix('.py'), path)
+      'lowrank_attn_config_' + os.path.basename(path).removesuffix('.py'), path
+  )
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
   return module.get_config(variant) if variant else module.get_config()
@@ -271,12 +293,14 @@ def _require_int(field: str, value, minimum: int, allow: tuple = ()):
   if value in allow and not isinstance(value, bool):
     return
   if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-    _fail(field, value, f'expected an integer >= {minimum}' +
-          (f' or one of {allow}' if allow else ''))
+    _fail(
+        field, value, f'expected an integer >= {minimum}' + (f' or one of {allow}' if allow else '')
+    )
 
 
-def _require_number(field: str, value, low: float, high: float | None = None, *,
-                    high_inclusive: bool = False):
+def _require_number(
+    field: str, value, low: float, high: float | None = None, *, high_inclusive: bool = False
+):
   ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= low
   if ok and high is not None:
     ok = value <= high if high_inclusive else value < high
@@ -309,13 +333,17 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> models.T
   """The models' `TransformerConfig` of a task config; ValueError naming the config field."""
   task = tasks.get(config.task)
   schema.build(AttentionSpec, schema.values_of(config.model.attention), 'model.attention')
-  values = {k: v for k, v in schema.values_of(config.model).items()
-            if k != 'attention' and not k.endswith('_attention')}
+  values = {
+      k: v
+      for k, v in schema.values_of(config.model).items()
+      if k != 'attention' and not k.endswith('_attention')
+  }
   for attention_type in models.ATTENTION_TYPES:
     if attention_type in task.attention_types:
       path = f'model.{attention_type}_attention'
       values[f'{attention_type}_attention'] = schema.build(
-          AttentionSpec, attention_options(config, attention_type), path)
+          AttentionSpec, attention_options(config, attention_type), path
+      )
   for field in ('num_encoder_layers', 'num_decoder_layers'):
     values.setdefault(field, 0)  # the task has no such stack
   return schema.build(models.TransformerConfig, values, 'model', vocab_size=vocab_size)
@@ -340,14 +368,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
     schema.build(settings, schema.values_of(c[name]), name)
   model = model_config(c, vocab_size=1)  # every field and every layer's attention
   if model.positions == 'learned' and c.data.max_length > model.max_length:
-    _fail('model.max_length', model.max_length,
-          f'learned positions need >= data.max_length={c.data.max_length}')
+    _fail(
+        'model.max_length',
+        model.max_length,
+        f'learned positions need >= data.max_length={c.data.max_length}',
+    )
   task.check_config(c)
 
 
-def shrink(config: ml_collections.ConfigDict, *, emb_dim: int = 128, num_layers: int = 2,
-           num_heads: int = 4, length: int = 128, steps: int = 100,
-           batch: int = 32) -> ml_collections.ConfigDict:
+def shrink(
+    config: ml_collections.ConfigDict,
+    *,
+    emb_dim: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    length: int = 128,
+    steps: int = 100,
+    batch: int = 32,
+) -> ml_collections.ConfigDict:
   """A config's tiny variant: small model, short run, frequent logs, no dropout (in place).
 
   What every config's `tiny` shares; each config then sets what is specific to its task.
@@ -388,8 +426,9 @@ def from_dict(values: Mapping[str, Any]) -> ml_collections.ConfigDict:
   task has none, it is dropped.
   """
   if not isinstance(values, Mapping):
-    raise ValueError(f'a config is a mapping of fields (a JSON object), not a '
-                     f'{type(values).__name__}.')
+    raise ValueError(
+        f'a config is a mapping of fields (a JSON object), not a ' f'{type(values).__name__}.'
+    )
   task = values.get('task')
   if not isinstance(task, str) or task not in tasks.TASKS:
     raise ValueError(f'config task={task!r} is not one of {tuple(tasks.TASKS)}.')
@@ -399,20 +438,25 @@ def from_dict(values: Mapping[str, Any]) -> ml_collections.ConfigDict:
 
   def update(node, given, path):
     if not isinstance(given, Mapping):
-      raise ValueError(f'config.{path.removesuffix(".")}={given!r} is invalid: expected a group '
-                       'of fields (a JSON object).')
+      raise ValueError(
+          f'config.{path.removesuffix(".")}={given!r} is invalid: expected a group '
+          'of fields (a JSON object).'
+      )
     for name, value in given.items():
       if name not in node:
-        raise ValueError(f'config.{path}{name} is not a field of this schema (a run written by '
-                         'another version of lowrank_attn?).')
+        raise ValueError(
+            f'config.{path}{name} is not a field of this schema (a run written by '
+            'another version of lowrank_attn?).'
+        )
       if isinstance(node[name], ml_collections.ConfigDict):
         update(node[name], value, f'{path}{name}.')
       else:
         try:
           node[name] = _tuples(value)
         except (TypeError, ValueError) as e:  # ConfigDict's type check
-          raise ValueError(f'config.{path}{name}={value!r} is invalid: '
-                           f'{" ".join(str(e).split())}') from None
+          raise ValueError(
+              f'config.{path}{name}={value!r} is invalid: ' f'{" ".join(str(e).split())}'
+          ) from None
 
   update(config, values, '')
   return config

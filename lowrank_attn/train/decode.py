@@ -38,17 +38,28 @@ def _length_penalty(length, alpha: float):
 
 def _gather_beams(tree, index, batch_size: int, beam_size: int):
   """Reorders every `[batch * beam, ...]` leaf by `index` `[batch, beam]` (scalars kept)."""
+
   def gather(x):
     if x.ndim == 0 or x.shape[0] != batch_size * beam_size:
       return x
     x = x.reshape(batch_size, beam_size, *x.shape[1:])
     idx = index.reshape(index.shape + (1,) * (x.ndim - 2))
     return jnp.take_along_axis(x, idx, axis=1).reshape(batch_size * beam_size, *x.shape[2:])
+
   return jax.tree.map(gather, tree)
 
 
-def _search(graphdef, params, inputs: jax.Array, *, bos_id: int, eos_id: int,
-            max_length: int, beam_size: int = 1, length_penalty: float = 0.6) -> jax.Array:
+def _search(
+    graphdef,
+    params,
+    inputs: jax.Array,
+    *,
+    bos_id: int,
+    eos_id: int,
+    max_length: int,
+    beam_size: int = 1,
+    length_penalty: float = 0.6,
+) -> jax.Array:
   """Translations `[batch, max_length]` of source tokens `[batch, source_length]`.
 
   Tokens after the first EOS are 0. `beam_size=1` is greedy decoding.
@@ -65,8 +76,13 @@ def _search(graphdef, params, inputs: jax.Array, *, bos_id: int, eos_id: int,
   def step(cache, tokens, position):
     """Next-token log-probabilities `[n, vocab]` after feeding `tokens` `[n]` at `position`."""
     m = nnx.merge(cache_graphdef, model_params, cache)
-    logits, _ = m.decode(encoded, sources, tokens[:, None],
-                         positions=jnp.full((n, 1), position, jnp.int32), decode=True)
+    logits, _ = m.decode(
+        encoded,
+        sources,
+        tokens[:, None],
+        positions=jnp.full((n, 1), position, jnp.int32),
+        decode=True,
+    )
     # Padding (id 0) is never a valid output token.
     logits = logits[:, 0].astype(jnp.float32).at[:, 0].set(-jnp.inf)
     return jax.nn.log_softmax(logits), nnx.state(m, nnx.Cache)
@@ -76,8 +92,10 @@ def _search(graphdef, params, inputs: jax.Array, *, bos_id: int, eos_id: int,
   return _beam_search(step, cache, batch_size, k, bos_id, eos_id, max_length, length_penalty)
 
 
-translate = jax.jit(_search, static_argnames=('graphdef', 'bos_id', 'eos_id', 'max_length',
-                                          'beam_size', 'length_penalty'))
+translate = jax.jit(
+    _search,
+    static_argnames=('graphdef', 'bos_id', 'eos_id', 'max_length', 'beam_size', 'length_penalty'),
+)
 translate.__doc__ = _search.__doc__
 
 
@@ -93,8 +111,13 @@ def _greedy(step, cache, batch_size, bos_id, eos_id, max_length):
     i, _, _, _, done = carry
     return (i < max_length) & ~jnp.all(done)
 
-  init = (jnp.zeros((), jnp.int32), jnp.full((batch_size,), bos_id, jnp.int32), cache,
-          jnp.zeros((batch_size, max_length), jnp.int32), jnp.zeros((batch_size,), bool))
+  init = (
+      jnp.zeros((), jnp.int32),
+      jnp.full((batch_size,), bos_id, jnp.int32),
+      cache,
+      jnp.zeros((batch_size, max_length), jnp.int32),
+      jnp.zeros((batch_size,), bool),
+  )
   return jax.lax.while_loop(cond, body, init)[3]
 
 
@@ -112,8 +135,9 @@ def _beam_search(step, cache, b, k, bos_id, eos_id, max_length, alpha):
     # Finished: merge this step's EOS candidates into the k best so far.
     scores = jnp.where(ended, top_logp / _length_penalty(i + 1.0, alpha), _NEG)
     fin_scores, keep = jax.lax.top_k(jnp.concatenate([fin_scores, scores], axis=1), k)
-    fin_seqs = jnp.take_along_axis(jnp.concatenate([fin_seqs, seqs], axis=1), keep[..., None],
-                                   axis=1)
+    fin_seqs = jnp.take_along_axis(
+        jnp.concatenate([fin_seqs, seqs], axis=1), keep[..., None], axis=1
+    )
     # Live: the k best candidates that did not end; their caches follow their parent beams.
     live_logp, keep = jax.lax.top_k(jnp.where(ended, _NEG, top_logp), k)
     live_seqs = jnp.take_along_axis(seqs, keep[..., None], axis=1)
@@ -128,9 +152,15 @@ def _beam_search(step, cache, b, k, bos_id, eos_id, max_length, alpha):
     return (i < max_length) & ~jnp.all(fin_scores[:, 0] >= best_live)
 
   live_logp = jnp.tile(jnp.array([0.0] + [_NEG] * (k - 1), jnp.float32), (b, 1))
-  init = (jnp.zeros((), jnp.int32), jnp.full((b * k,), bos_id, jnp.int32), cache,
-          jnp.zeros((b, k, max_length), jnp.int32), live_logp,
-          jnp.zeros((b, k, max_length), jnp.int32), jnp.full((b, k), _NEG, jnp.float32))
+  init = (
+      jnp.zeros((), jnp.int32),
+      jnp.full((b * k,), bos_id, jnp.int32),
+      cache,
+      jnp.zeros((b, k, max_length), jnp.int32),
+      live_logp,
+      jnp.zeros((b, k, max_length), jnp.int32),
+      jnp.full((b, k), _NEG, jnp.float32),
+  )
   _, _, _, live_seqs, _, fin_seqs, fin_scores = jax.lax.while_loop(cond, body, init)
   any_finished = fin_scores[:, 0] > _NEG / 2
   return jnp.where(any_finished[:, None], fin_seqs[:, 0], live_seqs[:, 0])
@@ -159,12 +189,20 @@ def bleu(s, params, pipeline, tokenizer, decode_config) -> dict[str, float]:
   for batch in pipeline:
     global_batch = s.global_batch(batch)
     with s.activate():
-      out = translate(s.graphdef, params, global_batch['inputs'], bos_id=tokenizer.bos_id,
-                      eos_id=tokenizer.eos_id, max_length=decode_config.max_length,
-                      beam_size=decode_config.beam_size,
-                      length_penalty=decode_config.length_penalty)
-    out, targets, weights = (np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                             for x in (out, global_batch['targets'], global_batch['weights']))
+      out = translate(
+          s.graphdef,
+          params,
+          global_batch['inputs'],
+          bos_id=tokenizer.bos_id,
+          eos_id=tokenizer.eos_id,
+          max_length=decode_config.max_length,
+          beam_size=decode_config.beam_size,
+          length_penalty=decode_config.length_penalty,
+      )
+    out, targets, weights = (
+        np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        for x in (out, global_batch['targets'], global_batch['weights'])
+    )
     for row, target, weight in zip(out, targets, weights):
       if weight.sum() == 0:  # padding rows of the last batch
         continue
@@ -177,11 +215,14 @@ def bleu(s, params, pipeline, tokenizer, decode_config) -> dict[str, float]:
   if not hypotheses:
     return {}
   name = 'bleu' if decode_config.beam_size > 1 else 'bleu_greedy'
-  return {name: sacrebleu.corpus_bleu(hypotheses, [references]).score,
-          'decoded_examples': float(len(hypotheses))}
+  return {
+      name: sacrebleu.corpus_bleu(hypotheses, [references]).score,
+      'decoded_examples': float(len(hypotheses)),
+  }
 
 
 # ------------------------------------------------------------------------ raw text in, text out
+
 
 def default_length_bucket(source_max_length: int) -> int:
   """Source lengths are padded up to a multiple of this (capped at `source_max_length`): about
@@ -225,13 +266,15 @@ class Timing:
     rate = self.sentences / self.total_secs if self.total_secs > 0 else 0.0
     host = self.total_secs - self.search_secs - self.compile_secs
     host_cpu = self.total_cpu_secs - self.search_cpu_secs - self.compile_cpu_secs
-    return (f'{self.sentences} sentences in {self.total_secs:.1f} s: {rate:.1f} sentences/s; '
-            f'jitted search {self.search_secs:.1f} s ({100 * (1 - self.outside_share):.1f}%), '
-            f'outside it {100 * self.outside_share:.1f}%: compilation {self.compile_secs:.1f} s '
-            f'({self.compiles} shapes), host {host:.1f} s (tokenize, batch, detokenize), '
-            f'{self.batches} batches. CPU time {self.total_cpu_secs:.1f} s: search '
-            f'{self.search_cpu_secs:.1f} s, outside it {100 * self.outside_cpu_share:.1f}% '
-            f'(compilation {self.compile_cpu_secs:.1f} s, host {host_cpu:.1f} s)')
+    return (
+        f'{self.sentences} sentences in {self.total_secs:.1f} s: {rate:.1f} sentences/s; '
+        f'jitted search {self.search_secs:.1f} s ({100 * (1 - self.outside_share):.1f}%), '
+        f'outside it {100 * self.outside_share:.1f}%: compilation {self.compile_secs:.1f} s '
+        f'({self.compiles} shapes), host {host:.1f} s (tokenize, batch, detokenize), '
+        f'{self.batches} batches. CPU time {self.total_cpu_secs:.1f} s: search '
+        f'{self.search_cpu_secs:.1f} s, outside it {100 * self.outside_cpu_share:.1f}% '
+        f'(compilation {self.compile_cpu_secs:.1f} s, host {host_cpu:.1f} s)'
+    )
 
 
 @dataclasses.dataclass
@@ -266,9 +309,19 @@ class Translator:
   set). Every process must pass the same sentences; each gets all translations.
   """
 
-  def __init__(self, s, params, tokenizer, *, beam_size: int, length_penalty: float,
-               max_length: int, batch_size: int, source_max_length: int,
-               length_bucket: int | None = None):
+  def __init__(
+      self,
+      s,
+      params,
+      tokenizer,
+      *,
+      beam_size: int,
+      length_penalty: float,
+      max_length: int,
+      batch_size: int,
+      source_max_length: int,
+      length_bucket: int | None = None,
+  ):
     self.s, self.params, self.tokenizer = s, params, tokenizer
     self.beam_size, self.length_penalty, self.max_length = beam_size, length_penalty, max_length
     self.batch_size = round_batch_size(s, batch_size)
@@ -277,9 +330,17 @@ class Translator:
     self.timing = Timing()
     self._compiled = {}  # (batch, source length) -> compiled search
     self._sharding = sharding.batch_shardings({'inputs': (1, 1)}, s.mesh, s.rules)['inputs']
-    self._search = jax.jit(functools.partial(
-        _search, s.graphdef, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-        max_length=max_length, beam_size=beam_size, length_penalty=length_penalty))
+    self._search = jax.jit(
+        functools.partial(
+            _search,
+            s.graphdef,
+            bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id,
+            max_length=max_length,
+            beam_size=beam_size,
+            length_penalty=length_penalty,
+        )
+    )
 
   def encode(self, text: str) -> tuple[list[int], bool]:
     """(source ids with EOS, whether they were cut); [] for an empty text."""
@@ -287,7 +348,7 @@ class Translator:
       return [], False
     ids = self.tokenizer.encode(text)
     cut = len(ids) > self.source_max_length - 1
-    return [*ids[:self.source_max_length - 1], self.tokenizer.eos_id], cut
+    return [*ids[: self.source_max_length - 1], self.tokenizer.eos_id], cut
 
   def _compiled_search(self, shape: tuple[int, int]):
     if shape not in self._compiled:
@@ -300,32 +361,36 @@ class Translator:
       self.timing.compiles += 1
     return self._compiled[shape]
 
-  def translate(self, texts: Sequence[str],
-                progress: Callable[[int, int], None] | None = None) -> Translations:
+  def translate(
+      self, texts: Sequence[str], progress: Callable[[int, int], None] | None = None
+  ) -> Translations:
     """Translations of `texts`; `progress(done, total)` after each batch."""
     start, start_cpu = time.perf_counter(), time.process_time()
     encoded = [self.encode(t) for t in texts]
     truncated = [i for i, (_, cut) in enumerate(encoded) if cut]
     # Sorted by (length, ids): the batches depend on the set of sentences, not their order.
-    order = sorted((i for i, (ids, _) in enumerate(encoded) if ids),
-                   key=lambda i: (len(encoded[i][0]), encoded[i][0]))
+    order = sorted(
+        (i for i, (ids, _) in enumerate(encoded) if ids),
+        key=lambda i: (len(encoded[i][0]), encoded[i][0]),
+    )
     out = [''] * len(texts)
     done = len(texts) - len(order)
     # Fewer sentences than a batch: one smaller batch (a short file need not pay for a full one).
     batch_size = min(self.batch_size, round_batch_size(self.s, len(order)))
     for first in range(0, len(order), batch_size):
-      rows = order[first:first + batch_size]
+      rows = order[first : first + batch_size]
       longest = max(len(encoded[i][0]) for i in rows)
       bucket = self.length_bucket
       length = min(-(-longest // bucket) * bucket, self.source_max_length)
       inputs = np.zeros((batch_size, max(length, longest)), np.int32)
       for row, i in enumerate(rows):
         ids = encoded[i][0]
-        inputs[row, :len(ids)] = ids
+        inputs[row, : len(ids)] = ids
       search = self._compiled_search(inputs.shape)
       tic, tic_cpu = time.perf_counter(), time.process_time()
-      global_inputs = jax.make_array_from_callback(inputs.shape, self._sharding,
-                                                   lambda index, x=inputs: x[index])
+      global_inputs = jax.make_array_from_callback(
+          inputs.shape, self._sharding, lambda index, x=inputs: x[index]
+      )
       with self.s.activate():
         result = search(self.params, global_inputs)
       result.block_until_ready()
@@ -356,8 +421,11 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, flo
   bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
   bleu_score = bleu.corpus_score(list(hypotheses), [list(references)])
   chrf_score = chrf.corpus_score(list(hypotheses), [list(references)])
-  return {'bleu': bleu_score.score, 'chrf': chrf_score.score,
-          'sentences': float(len(hypotheses)),
-          'bleu_signature': str(bleu.get_signature()),
-          'chrf_signature': str(chrf.get_signature()),
-          'bleu_summary': bleu_score.format(width=2)}
+  return {
+      'bleu': bleu_score.score,
+      'chrf': chrf_score.score,
+      'sentences': float(len(hypotheses)),
+      'bleu_signature': str(bleu.get_signature()),
+      'chrf_signature': str(chrf.get_signature()),
+      'bleu_summary': bleu_score.format(width=2),
+  }

@@ -57,20 +57,28 @@ class MetricWriter:
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     if not self.active:
       return
-    flat = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
-            for k, v in flatten(hparams).items()}
-    self._events.add_event(event_pb2.Event(
-        wall_time=time.time(), step=0, summary=hparams_summary.hparams_pb(flat)))
+    flat = {
+        k: v if isinstance(v, (bool, int, float, str)) else str(v)
+        for k, v in flatten(hparams).items()
+    }
+    self._events.add_event(
+        event_pb2.Event(wall_time=time.time(), step=0, summary=hparams_summary.hparams_pb(flat))
+    )
     self._jsonl.write(json.dumps({'step': 0, 'split': 'hparams', **flat}) + '\n')
     self.flush()
 
   def write_scalars(self, step: int, split: str, scalars: Mapping[str, float]) -> None:
     if not self.active:
       return
-    values = [summary_pb2.Summary.Value(tag=f'{split}/{k}', simple_value=float(v))
-              for k, v in scalars.items()]
-    self._events.add_event(event_pb2.Event(
-        wall_time=time.time(), step=int(step), summary=summary_pb2.Summary(value=values)))
+    values = [
+        summary_pb2.Summary.Value(tag=f'{split}/{k}', simple_value=float(v))
+        for k, v in scalars.items()
+    ]
+    self._events.add_event(
+        event_pb2.Event(
+            wall_time=time.time(), step=int(step), summary=summary_pb2.Summary(value=values)
+        )
+    )
     line = {'step': int(step), 'split': split, 'time': round(time.time(), 3)}
     line.update({k: float(v) for k, v in scalars.items()})
     self._jsonl.write(json.dumps(line) + '\n')
@@ -117,13 +125,13 @@ def peak_flops_per_device(dtype=jnp.float32, device=None) -> PeakFlops | None:
   if device.platform == 'tpu':
     chip = chips.chip_of(device.device_kind)
     if chip is not None:
-      return PeakFlops(chip.peak_bf16_flops,
-                       f'published bf16 peak of {chip.name} ({chip.source})')
+      return PeakFlops(chip.peak_bf16_flops, f'published bf16 peak of {chip.name} ({chip.source})')
   if device.platform == 'gpu':
     gpu = chips.gpu_of(device.device_kind)
     if gpu is not None:
-      return PeakFlops(gpu.peak_bf16_flops,
-                       f'published dense bf16 peak of {gpu.name} ({gpu.source})')
+      return PeakFlops(
+          gpu.peak_bf16_flops, f'published dense bf16 peak of {gpu.name} ({gpu.source})'
+      )
   return None
 
 
@@ -131,8 +139,10 @@ def describe_peak(peak: PeakFlops | None, platform: str | None = None) -> str:
   """'peak 1,579,000 GFLOP/s (source)', or why there is no MFU."""
   if peak is None:
     platform = platform or jax.local_devices()[0].platform
-    return (f'no published peak for {platform} devices: achieved GFLOP/s only, no MFU '
-            '(config.peak_flops_per_device sets one)')
+    return (
+        f'no published peak for {platform} devices: achieved GFLOP/s only, no MFU '
+        '(config.peak_flops_per_device sets one)'
+    )
   return f'peak {peak / 1e9:,.0f} GFLOP/s ({peak.source})'
 
 
@@ -164,8 +174,15 @@ class Progress:
   excluded (`pause` / `resume`), so steps/s, tokens/s and MFU describe training steps only.
   """
 
-  def __init__(self, *, num_train_steps: int, tokens_per_step: int, flops_per_step: float,
-               peak_flops: float | None, every_secs: float):
+  def __init__(
+      self,
+      *,
+      num_train_steps: int,
+      tokens_per_step: int,
+      flops_per_step: float,
+      peak_flops: float | None,
+      every_secs: float,
+  ):
     self.num_train_steps = num_train_steps
     self.tokens_per_step = tokens_per_step
     self.flops_per_step = flops_per_step
@@ -198,17 +215,20 @@ class Progress:
   def rates(self, window: bool = True) -> dict[str, float]:
     """steps/s, tokens/s, achieved matmul FLOP/s (all devices) and, where there is a peak,
     MFU = that / peak."""
-    steps, secs = ((self._window_steps, self._window_secs) if window
-                   else (self._timed_steps, self._timed_secs))
+    steps, secs = (
+        (self._window_steps, self._window_secs) if window else (self._timed_steps, self._timed_secs)
+    )
     if self._start is not None:
       secs += time.perf_counter() - self._start
     if steps == 0 or secs <= 0:
       return {}
     steps_per_sec = steps / secs
     flops_per_sec = steps_per_sec * self.flops_per_step
-    rates = {'steps_per_sec': steps_per_sec,
-             'tokens_per_sec': steps_per_sec * self.tokens_per_step,
-             'flops_per_sec': flops_per_sec}
+    rates = {
+        'steps_per_sec': steps_per_sec,
+        'tokens_per_sec': steps_per_sec * self.tokens_per_step,
+        'flops_per_sec': flops_per_sec,
+    }
     if self.peak_flops is not None:
       rates['mfu'] = flops_per_sec / self.peak_flops
     return rates
@@ -216,8 +236,9 @@ class Progress:
   @property
   def train_secs(self) -> float:
     """Seconds of timed training steps so far in this process (the x-axis of learning curves)."""
-    return self._timed_secs + (time.perf_counter() - self._start if self._start is not None
-                               else 0.0)
+    return self._timed_secs + (
+        time.perf_counter() - self._start if self._start is not None else 0.0
+    )
 
   def due(self, step: int) -> bool:
     """Whether a progress line is due (`every_secs` since the last one); redraws the bar."""
@@ -239,8 +260,10 @@ class Progress:
     self._last_line = time.time()
     line = f'step {step}/{self.num_train_steps}  loss {loss:.4f}'
     if rates:
-      line += (f'  {rates["steps_per_sec"]:.2f} steps/s  {rates["tokens_per_sec"]:,.0f} tokens/s'
-               f'  {format_throughput(rates)}')
+      line += (
+          f'  {rates["steps_per_sec"]:.2f} steps/s  {rates["tokens_per_sec"]:,.0f} tokens/s'
+          f'  {format_throughput(rates)}'
+      )
     say(line)
 
   def _bar(self, step: int) -> None:

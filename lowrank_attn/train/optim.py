@@ -25,8 +25,14 @@ import optax
 SCHEDULES = ('inverse_sqrt', 'cosine', 'linear', 'constant')
 
 
-def learning_rate_schedule(*, learning_rate: float, warmup_steps: int, num_train_steps: int,
-                           decay: str, end_factor: float = 0.0) -> optax.Schedule:
+def learning_rate_schedule(
+    *,
+    learning_rate: float,
+    warmup_steps: int,
+    num_train_steps: int,
+    decay: str,
+    end_factor: float = 0.0,
+) -> optax.Schedule:
   if decay not in SCHEDULES:
     raise ValueError(f'config.lr_schedule={decay!r} is not one of {SCHEDULES}.')
   warmup = optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1))
@@ -34,7 +40,8 @@ def learning_rate_schedule(*, learning_rate: float, warmup_steps: int, num_train
   end = learning_rate * end_factor
   if decay == 'inverse_sqrt':
     after = lambda count: learning_rate * jnp.sqrt(
-        max(warmup_steps, 1) / (count + max(warmup_steps, 1)))
+        max(warmup_steps, 1) / (count + max(warmup_steps, 1))
+    )
   elif decay == 'cosine':
     after = optax.cosine_decay_schedule(learning_rate, decay_steps, alpha=end_factor)
   elif decay == 'linear':
@@ -109,17 +116,21 @@ def decays(name: str, logical_axes: tuple[str | None, ...] | None, where: str = 
     raise ValueError(
         f'parameter {where}: no weight-decay role for the name {name!r}; add it to '
         f'lowrank_attn.train.optim.PARAMETER_ROLES (one of '
-        f'{sorted(set(PARAMETER_ROLES.values()))}; {DECAYED_ROLES} decay).')
+        f'{sorted(set(PARAMETER_ROLES.values()))}; {DECAYED_ROLES} decay).'
+    )
   if role not in DECAYED_ROLES:
     return False
   if logical_axes is None:
-    raise ValueError(f'parameter {where} ({role}) carries no logical axes (out_sharding '
-                     'metadata, lowrank_attn.sharding.logical_metadata); cannot check it.')
+    raise ValueError(
+        f'parameter {where} ({role}) carries no logical axes (out_sharding '
+        'metadata, lowrank_attn.sharding.logical_metadata); cannot check it.'
+    )
   if len(logical_axes) < 2 or not set(_FEATURE_AXES) & set(logical_axes):
     raise ValueError(
         f'parameter {where} is named as a {role} but its logical axes {tuple(logical_axes)} '
         f'are not those of one (>= 2 dimensions, one of {_FEATURE_AXES}); rename it or '
-        'classify it in lowrank_attn.train.optim.PARAMETER_ROLES.')
+        'classify it in lowrank_attn.train.optim.PARAMETER_ROLES.'
+    )
   return True
 
 
@@ -130,15 +141,19 @@ def weight_decay_mask(params: nnx.State) -> dict[str, Any]:
   the variables' logical axes are read from their metadata. The result has the structure of
   `nnx.to_pure_dict(params)`, the parameter tree the optimizer sees.
   """
+
   def one(path, variable):
     if not isinstance(variable, nnx.Variable):
-      raise ValueError(f'weight_decay_mask needs the nnx.State of the parameters (Variables '
-                       f'with their metadata), got a {type(variable).__name__} at {_path(path)}.')
+      raise ValueError(
+          f'weight_decay_mask needs the nnx.State of the parameters (Variables '
+          f'with their metadata), got a {type(variable).__name__} at {_path(path)}.'
+      )
     name = str(getattr(path[-1], 'key', path[-1]))
     return decays(name, variable.get_metadata().get('out_sharding'), _path(path))
 
-  return nnx.to_pure_dict(jax.tree_util.tree_map_with_path(
-      one, params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  return nnx.to_pure_dict(
+      jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  )
 
 
 def role_scales(params: nnx.State, scales: dict[str, float]) -> dict[str, Any]:
@@ -154,13 +169,22 @@ def role_scales(params: nnx.State, scales: dict[str, float]) -> dict[str, Any]:
       decays(name, None, _path(path))  # raises, naming the unclassified parameter
     return float(scales.get(PARAMETER_ROLES[name], 1.0))
 
-  return nnx.to_pure_dict(jax.tree_util.tree_map_with_path(
-      one, params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  return nnx.to_pure_dict(
+      jax.tree_util.tree_map_with_path(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  )
 
 
-def make_optimizer(schedule: optax.Schedule, *, b1: float, b2: float, eps: float,
-                   weight_decay: float, grad_clip_norm: float, decay_mask: Any,
-                   update_scales: Any = None) -> optax.GradientTransformation:
+def make_optimizer(
+    schedule: optax.Schedule,
+    *,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    grad_clip_norm: float,
+    decay_mask: Any,
+    update_scales: Any = None,
+) -> optax.GradientTransformation:
   """Global-norm clipping (if > 0), then AdamW, then (if given) each update times its
   parameter's factor in `update_scales` (`role_scales`).
 
@@ -171,9 +195,13 @@ def make_optimizer(schedule: optax.Schedule, *, b1: float, b2: float, eps: float
   parts = []
   if grad_clip_norm > 0:
     parts.append(optax.clip_by_global_norm(grad_clip_norm))
-  parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                           mask=decay_mask))
+  parts.append(
+      optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+  )
   if update_scales is not None:
-    parts.append(optax.stateless(
-        lambda updates, params: jax.tree.map(lambda u, f: u * f, updates, update_scales)))
+    parts.append(
+        optax.stateless(
+            lambda updates, params: jax.tree.map(lambda u, f: u * f, updates, update_scales)
+        )
+    )
   return optax.chain(*parts)

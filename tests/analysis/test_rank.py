@@ -36,8 +36,7 @@ def test_numerical_rank_relative_tolerance_matches_numpy():
   sigma = np.array([1.0, 0.5, 0.2, 0.05, 0.02, 0.005, 0.002, 0.0005])
   matrix = 300.0 * (u * sigma) @ v.T
   for rtol in (0.3, 0.1, 0.01, 0.001, 0.0001):
-    assert int(rank.numerical_rank(matrix, rtol=rtol)) == np.linalg.matrix_rank(matrix,
-                                                                                rtol=rtol)
+    assert int(rank.numerical_rank(matrix, rtol=rtol)) == np.linalg.matrix_rank(matrix, rtol=rtol)
 
 
 def test_energy_rank_matches_numpy():
@@ -74,8 +73,9 @@ def test_row_kl_matches_numpy_with_a_causal_mask():
   got = float(rank.row_kl(targets, logits, mask))
   np.testing.assert_allclose(got, numpy_row_kl(targets, logits, mask), rtol=1e-5)
   full = np.ones((n, n), bool)
-  np.testing.assert_allclose(float(rank.row_kl(targets, logits)),
-                             numpy_row_kl(targets, logits, full), rtol=1e-5)
+  np.testing.assert_allclose(
+      float(rank.row_kl(targets, logits)), numpy_row_kl(targets, logits, full), rtol=1e-5
+  )
 
 
 def test_row_kl_skips_a_fully_masked_row_without_nan_gradients():
@@ -125,12 +125,15 @@ def test_fit_head_reaches_zero_at_d_equal_n_and_not_at_d_1():
   assert float(one.kl) > 0.3  # measured ~0.7: two of four rows lose their peak
   # The reported error is the KL of the returned logits, and those have rank <= d.
   for fit, d in ((full, n), (one, 1)):
-    np.testing.assert_allclose(float(fit.kl), numpy_row_kl(target, np.asarray(fit.logits),
-                                                           np.ones((n, n), bool)),
-                               rtol=1e-3, atol=1e-6)
-    np.testing.assert_allclose(fit.logits, rank.head_logits(x, fit.query_kernel,
-                                                            fit.key_kernel), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        float(fit.kl),
+        numpy_row_kl(target, np.asarray(fit.logits), np.ones((n, n), bool)),
+        rtol=1e-3,
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(
+        fit.logits, rank.head_logits(x, fit.query_kernel, fit.key_kernel), rtol=1e-5, atol=1e-5
+    )
     assert int(rank.numerical_rank(fit.logits)) == d
   assert full.kl_history.shape == (600,)
   assert full.kl_history[-1] < full.kl_history[0]
@@ -140,8 +143,9 @@ def test_fit_head_vmaps_over_problems_and_seeds():
   """A batch of problems is fitted as each one alone (same seed, same result)."""
   rng = np.random.default_rng(7)
   x = rng.standard_normal((3, 4, 6)).astype(np.float32)
-  targets = np.stack([permutation_target(), permutation_target(mass=0.6),
-                      np.full((4, 4), 0.25, np.float32)])
+  targets = np.stack(
+      [permutation_target(), permutation_target(mass=0.6), np.full((4, 4), 0.25, np.float32)]
+  )
   batch = rank.fit_head(x, targets, 2, steps=50, seed=np.array([3, 4, 5]))
   assert batch.query_kernel.shape == (3, 6, 2) and batch.kl.shape == (3,)
   for i in range(3):
@@ -158,8 +162,9 @@ def test_fit_head_respects_the_mask():
   x = np.random.default_rng(8).standard_normal((n, 8)).astype(np.float32)
   fit = rank.fit_head(x, target, n, mask=mask, steps=400, seed=0)
   assert float(fit.kl) < 1e-3
-  np.testing.assert_allclose(float(fit.kl), numpy_row_kl(target, np.asarray(fit.logits), mask),
-                             rtol=1e-3, atol=1e-6)
+  np.testing.assert_allclose(
+      float(fit.kl), numpy_row_kl(target, np.asarray(fit.logits), mask), rtol=1e-3, atol=1e-6
+  )
 
 
 def test_svd_head_gives_the_rank_d_truncation_of_the_centred_log_targets():
@@ -187,19 +192,24 @@ def test_fit_head_from_the_svd_start_keeps_its_exact_fit():
   assert float(fit.kl) < 1e-5
 
 
-@pytest.mark.parametrize('call, message', [
-    (lambda: rank.numerical_rank(np.ones(3)), 'shape'),
-    (lambda: rank.numerical_rank(np.ones((2, 2)), rtol=1.5), 'rtol'),
-    (lambda: rank.energy_rank(np.ones((2, 2)), fraction=0.0), 'fraction'),
-    (lambda: rank.row_kl(np.ones((2, 3)), np.ones((2, 2))), 'last two'),
-    (lambda: rank.fit_head(np.ones((4, 3)), np.ones((5, 5)), 2), 'targets'),
-    (lambda: rank.fit_head(np.ones((4, 3)), np.ones((4, 4)), 0), 'head_dim'),
-    (lambda: rank.fit_head(np.ones((4, 3)), np.ones((4, 4)), 2, steps=0), 'steps'),
-    (lambda: rank.fit_head(np.ones((4, 3)), np.ones((4, 4)), 2, learning_rate=-1.0),
-     'learning_rate'),
-    (lambda: rank.fit_head(np.ones((4, 3)), np.ones((4, 4)), 2, mask=np.ones((3, 3))), 'mask'),
-    (lambda: rank.fit_head(np.ones((4, 3)), np.ones((4, 4)), 2, init='zeros'), 'init'),
-])
+@pytest.mark.parametrize(
+    'call, message',
+    [
+        (lambda: rank.numerical_rank(np.ones(3)), 'shape'),
+        (lambda: rank.numerical_rank(np.ones((2, 2)), rtol=1.5), 'rtol'),
+        (lambda: rank.energy_rank(np.ones((2, 2)), fraction=0.0), 'fraction'),
+        (lambda: rank.row_kl(np.ones((2, 3)), np.ones((2, 2))), 'last two'),
+        (lambda: rank.fit_head(np.ones((4, 3)), np.ones((5, 5)), 2), 'targets'),
+        (lambda: rank.fit_head(np.ones((4, 3)), np.ones((4, 4)), 0), 'head_dim'),
+        (lambda: rank.fit_head(np.ones((4, 3)), np.ones((4, 4)), 2, steps=0), 'steps'),
+        (
+            lambda: rank.fit_head(np.ones((4, 3)), np.ones((4, 4)), 2, learning_rate=-1.0),
+            'learning_rate',
+        ),
+        (lambda: rank.fit_head(np.ones((4, 3)), np.ones((4, 4)), 2, mask=np.ones((3, 3))), 'mask'),
+        (lambda: rank.fit_head(np.ones((4, 3)), np.ones((4, 4)), 2, init='zeros'), 'init'),
+    ],
+)
 def test_bad_input_raises_a_value_error_naming_it(call, message):
   with pytest.raises(ValueError, match=message):
     call()

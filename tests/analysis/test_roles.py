@@ -11,8 +11,14 @@ import pytest
 
 from lowrank_attn import models
 from lowrank_attn.analysis import (
-    classify, head_roles, read_treebank, roles_from_attention, word_attention, word_counts,
-    word_pieces)
+    classify,
+    head_roles,
+    read_treebank,
+    roles_from_attention,
+    word_attention,
+    word_counts,
+    word_pieces,
+)
 from lowrank_attn.data import WordPieceTokenizer
 
 CONLLU = """# sent_id = toy-1
@@ -56,13 +62,11 @@ def piece_attention(word_targets):
 
 def test_word_attention_sums_key_pieces_and_averages_query_pieces():
   # Pieces a1 a2 b and a special; words a (pieces 0, 1), b (piece 2).
-  weights = np.array([[[0.1, 0.2, 0.3, 0.4],
-                       [0.5, 0.1, 0.2, 0.2],
-                       [0.0, 0.6, 0.4, 0.0],
-                       [0.3, 0.3, 0.3, 0.1]]])
+  weights = np.array(
+      [[[0.1, 0.2, 0.3, 0.4], [0.5, 0.1, 0.2, 0.2], [0.0, 0.6, 0.4, 0.0], [0.3, 0.3, 0.3, 0.1]]]
+  )
   words = word_attention(weights, np.array([0, 0, 1, -1]), 2)
-  expected = [[((0.1 + 0.2) + (0.5 + 0.1)) / 2, (0.3 + 0.2) / 2],
-              [0.0 + 0.6, 0.4]]
+  expected = [[((0.1 + 0.2) + (0.5 + 0.1)) / 2, (0.3 + 0.2) / 2], [0.0 + 0.6, 0.4]]
   np.testing.assert_allclose(words[0], expected)
 
 
@@ -73,20 +77,27 @@ def test_toy_sentence_aligns_word_by_word(sentence):
 
 def test_role_metrics_of_known_attention(sentence):
   # Word targets of each head: previous word, next word, gold syntactic head, the rare word.
-  weights, word_of_piece = piece_attention([
-      [0, 0, 1, 2],   # positional prev (word 0 attends to itself)
-      [1, 2, 3, 3],   # positional next
-      [1, 1, 3, 1],   # dependent -> head of nsubj, det, obj
-      [3, 3, 3, 3],   # the rarest word, "cat"
-  ])
+  weights, word_of_piece = piece_attention(
+      [
+          [0, 0, 1, 2],  # positional prev (word 0 attends to itself)
+          [1, 2, 3, 3],  # positional next
+          [1, 1, 3, 1],  # dependent -> head of nsubj, det, obj
+          [3, 3, 3, 3],  # the rarest word, "cat"
+      ]
+  )
   result = roles_from_attention([(sentence, weights, word_of_piece)], COUNTS)
   prev, nxt, syntax, rare = result['heads']
   assert prev['positional'] == {'prev': 1.0, 'next': 0.0}
   assert nxt['positional'] == {'prev': 0.0, 'next': 1.0}
   assert rare['positional'] == {'prev': 0.0, 'next': 1 / 3}  # "the" -> "cat"
   assert syntax['syntactic'] == {
-      'nsubj dep->head': 1.0, 'nsubj head->dep': 0.0, 'obj dep->head': 1.0,
-      'obj head->dep': 0.0, 'det dep->head': 1.0, 'det head->dep': 0.0}
+      'nsubj dep->head': 1.0,
+      'nsubj head->dep': 0.0,
+      'obj dep->head': 1.0,
+      'obj head->dep': 0.0,
+      'det dep->head': 1.0,
+      'det head->dep': 0.0,
+  }
   # Most-attended word of the sentence (mean over query words): 0, cat, chase, cat.
   assert [h['rare'] for h in result['heads']] == [0.0, 1.0, 0.0, 1.0]
   # A uniform head attends most to "Dogs" (2 pieces), not the rarest word.
@@ -102,10 +113,15 @@ def test_role_metrics_of_known_attention(sentence):
 
 
 def test_syntactic_role_needs_ten_points_over_the_baseline():
-  baselines = {'amod dep->head': {'offset': 1, 'accuracy': 0.5, 'queries': 10},
-               'rare': {'chance': 0.25, 'uniform': 0.3, 'sentences': 10}}
-  entry = lambda accuracy: {'positional': {'prev': 0.0, 'next': 0.0}, 'rare': 0.0,
-                            'syntactic': {'amod dep->head': accuracy}}
+  baselines = {
+      'amod dep->head': {'offset': 1, 'accuracy': 0.5, 'queries': 10},
+      'rare': {'chance': 0.25, 'uniform': 0.3, 'sentences': 10},
+  }
+  entry = lambda accuracy: {
+      'positional': {'prev': 0.0, 'next': 0.0},
+      'rare': 0.0,
+      'syntactic': {'amod dep->head': accuracy},
+  }
   assert classify(entry(0.61), baselines) == ['syntactic (amod dep->head)']
   assert classify(entry(0.59), baselines) == []
 
@@ -139,21 +155,40 @@ def test_head_roles_of_a_model(sentence):
   """Every layer and head gets every metric, each a share in [0, 1]."""
   tokenizer = WordPieceTokenizer(minilm.get_model_path() / 'vocab.txt')
   cfg = models.TransformerConfig(
-      vocab_size=tokenizer.vocab_size, emb_dim=16, mlp_dim=32, num_encoder_layers=2,
-      num_decoder_layers=0, encoder_attention=models.AttentionSpec(num_heads=4),
-      max_length=32, norm='post', type_vocab_size=2, dropout_rate=0.0)
+      vocab_size=tokenizer.vocab_size,
+      emb_dim=16,
+      mlp_dim=32,
+      num_encoder_layers=2,
+      num_decoder_layers=0,
+      encoder_attention=models.AttentionSpec(num_heads=4),
+      max_length=32,
+      norm='post',
+      type_vocab_size=2,
+      dropout_rate=0.0,
+  )
   model = models.EncoderMLM(cfg, rngs=nnx.Rngs(0))
   # 40 words do not fit the 32 learned positions: skipped, not computed from garbage.
-  long = dataclasses.replace(sentence, text=' '.join(['cat'] * 40), tokens=['cat'] * 40,
-                             heads=[0] + [1] * 39, deprels=['root'] + ['det'] * 39)
-  result = head_roles(model, tokenizer, [sentence] * 3 + [long],
-                      word_counts(['dogs chase the cat cat']))
+  long = dataclasses.replace(
+      sentence,
+      text=' '.join(['cat'] * 40),
+      tokens=['cat'] * 40,
+      heads=[0] + [1] * 39,
+      deprels=['root'] + ['det'] * 39,
+  )
+  result = head_roles(
+      model, tokenizer, [sentence] * 3 + [long], word_counts(['dogs chase the cat cat'])
+  )
   assert result['sentences'] == 3 and result['skipped'] == {'unaligned': 0, 'too_long': 1}
   assert [(h['layer'], h['head']) for h in result['heads']] == [
-      (layer, head) for layer in range(2) for head in range(4)]
+      (layer, head) for layer in range(2) for head in range(4)
+  ]
   for entry in result['heads']:
-    shares = [entry['confidence'], entry['rare'], *entry['positional'].values(),
-              *entry['syntactic'].values()]
+    shares = [
+        entry['confidence'],
+        entry['rare'],
+        *entry['positional'].values(),
+        *entry['syntactic'].values(),
+    ]
     assert all(0.0 <= x <= 1.0 for x in shares)
   json.dumps(result)  # roles.json-ready
 
@@ -173,8 +208,15 @@ def test_head_roles_align_words_after_the_cls_token(sentence, monkeypatch):
   monkeypatch.setattr(roles, '_encoder_weights', on_cat)
   tokenizer = type('Toy', (), {'encode': staticmethod(toy_encode), 'bos_id': 1, 'eos_id': EOS})
   cfg = models.TransformerConfig(
-      vocab_size=16, emb_dim=8, mlp_dim=8, num_encoder_layers=1, num_decoder_layers=0,
-      encoder_attention=models.AttentionSpec(num_heads=1), max_length=16, dropout_rate=0.0)
+      vocab_size=16,
+      emb_dim=8,
+      mlp_dim=8,
+      num_encoder_layers=1,
+      num_decoder_layers=0,
+      encoder_attention=models.AttentionSpec(num_heads=1),
+      max_length=16,
+      dropout_rate=0.0,
+  )
   result = head_roles(models.EncoderMLM(cfg, rngs=nnx.Rngs(0)), tokenizer, [sentence], COUNTS)
   (head,) = result['heads']
   assert head['rare'] == 1.0  # 'cat' is the rarest word

@@ -46,15 +46,15 @@ def hard_concrete_prob_open(log_alpha, temperature, stretch=STRETCH):
 def hard_concrete_prob_one(log_alpha, temperature, stretch=STRETCH):
   """P(g = 1) = P(s >= (1 - gamma) / (zeta - gamma)) = sigmoid(log alpha - beta log((1 - gamma) / (zeta - 1)))."""
   low, high = stretch
-  return sigmoid(np.asarray(log_alpha, np.float64)
-                 - temperature * math.log((1 - low) / (high - 1)))
+  return sigmoid(np.asarray(log_alpha, np.float64) - temperature * math.log((1 - low) / (high - 1)))
 
 
 def hard_concrete_mean(log_alpha, temperature, stretch=STRETCH, points=1_000_000):
   """E[g]: eq. 10 integrated over u ~ U(0, 1) by the midpoint rule."""
   u = (np.arange(points) + 0.5) / points
-  return np.array([hard_concrete_sample(u, a, temperature, stretch).mean()
-                   for a in np.atleast_1d(log_alpha)])
+  return np.array(
+      [hard_concrete_sample(u, a, temperature, stretch).mean() for a in np.atleast_1d(log_alpha)]
+  )
 
 
 # ------------------------------------------------------------------ attention

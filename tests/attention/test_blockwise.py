@@ -19,8 +19,9 @@ from lowrank_attn import attention as A
 from lowrank_attn.attention import blockwise, dispatch
 
 # Each example compiles two gradients: keep the counts small.
-SETTINGS = settings(max_examples=12, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 KINDS = {  # label -> AttentionSpec options
     'concat': dict(),
@@ -38,10 +39,12 @@ def make_mask(kind, rng, batch, heads, q_length, kv_length):
   """A boolean mask of the given broadcast type, with fully masked query rows."""
   if kind is None:
     return None
-  shape = {'full': (batch, 1, q_length, kv_length),
-           'per_head': (batch, heads, q_length, kv_length),
-           'padding': (batch, 1, 1, kv_length),
-           'query_key': (q_length, kv_length)}[kind]
+  shape = {
+      'full': (batch, 1, q_length, kv_length),
+      'per_head': (batch, heads, q_length, kv_length),
+      'padding': (batch, 1, 1, kv_length),
+      'query_key': (q_length, kv_length),
+  }[kind]
   mask = rng.random(shape) < 0.7
   if kind == 'padding':
     mask[0] = False  # example 0 sees no key at all
@@ -50,14 +53,22 @@ def make_mask(kind, rng, batch, heads, q_length, kv_length):
   return mask
 
 
-@functools.partial(jax.jit, static_argnames=('spec', 'implementation', 'is_causal',
-                                             'block_size'))
+@functools.partial(jax.jit, static_argnames=('spec', 'implementation', 'is_causal', 'block_size'))
 def value_and_grads(params, x, y, mask, *, spec, implementation, is_causal, block_size):
   def loss(params, x, y):
-    out = A.multi_head_attention(params, x, y, spec=spec, mask=mask, is_causal=is_causal,
-                                 implementation=implementation, block_size=block_size).out
+    out = A.multi_head_attention(
+        params,
+        x,
+        y,
+        spec=spec,
+        mask=mask,
+        is_causal=is_causal,
+        implementation=implementation,
+        block_size=block_size,
+    ).out
     # sin: a loss whose gradient differs per output element
     return jnp.sum(jnp.sin(out)), out
+
   (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(params, x, y)
   return out, grads
 
@@ -81,17 +92,29 @@ def cases(draw):
   batch = draw(st.integers(1, 2))
   q_length, kv_length = draw(st.integers(1, 11)), draw(st.integers(1, 11))
   return dict(
-      kind=draw(st.sampled_from(sorted(KINDS))), mask=draw(st.sampled_from(MASKS)),
-      is_causal=draw(st.booleans()), heads=heads, batch=batch, q_length=q_length,
-      kv_length=kv_length, block_size=draw(st.integers(1, 8)), use_bias=draw(st.booleans()),
-      in_features=draw(st.integers(1, 8)), seed=draw(st.integers(0, 2**16)))
+      kind=draw(st.sampled_from(sorted(KINDS))),
+      mask=draw(st.sampled_from(MASKS)),
+      is_causal=draw(st.booleans()),
+      heads=heads,
+      batch=batch,
+      q_length=q_length,
+      kv_length=kv_length,
+      block_size=draw(st.integers(1, 8)),
+      use_bias=draw(st.booleans()),
+      in_features=draw(st.integers(1, 8)),
+      seed=draw(st.integers(0, 2**16)),
+  )
 
 
 def build(c, make_params):
   options = KINDS[c['kind']]
-  spec = A.AttentionSpec(num_heads=c['heads'], in_features=c['in_features'],
-                         qkv_features=2 * c['heads'] if 'head_dim' not in options else None,
-                         use_bias=c['use_bias'], **options)
+  spec = A.AttentionSpec(
+      num_heads=c['heads'],
+      in_features=c['in_features'],
+      qkv_features=2 * c['heads'] if 'head_dim' not in options else None,
+      use_bias=c['use_bias'],
+      **options,
+  )
   rng = np.random.default_rng(c['seed'])
   x = rng.standard_normal((c['batch'], c['q_length'], c['in_features'])).astype(np.float32)
   y = rng.standard_normal((c['batch'], c['kv_length'], c['in_features'])).astype(np.float32)
@@ -101,18 +124,37 @@ def build(c, make_params):
 
 def check_kind_and_mask(make_params, kind, mask_kind):
   """Causal cross-attention in blocks that divide neither length."""
-  c = dict(kind=kind, mask=mask_kind, is_causal=True, heads=2, batch=2, q_length=7,
-           kv_length=9, block_size=3, use_bias=True, in_features=6, seed=1)
+  c = dict(
+      kind=kind,
+      mask=mask_kind,
+      is_causal=True,
+      heads=2,
+      batch=2,
+      q_length=7,
+      kv_length=9,
+      block_size=3,
+      use_bias=True,
+      in_features=6,
+      seed=1,
+  )
   spec, params, x, y, mask = build(c, make_params)
   assert_same(params, spec, x, y, mask, c['is_causal'], c['block_size'])
 
 
 # Every kind and every mask type, each at least once (the full grid is the slow test below);
 # talking heads with per-head masks: its post-softmax mix moves weight across heads.
-@pytest.mark.parametrize('kind, mask_kind', [
-    ('concat', None), ('grouped_query', 'padding'), ('fixed_head', 'query_key'),
-    ('collaborative', 'full'), ('talking_heads', 'per_head'), ('talking_heads_grouped', 'full'),
-    ('gated', 'per_head')])
+@pytest.mark.parametrize(
+    'kind, mask_kind',
+    [
+        ('concat', None),
+        ('grouped_query', 'padding'),
+        ('fixed_head', 'query_key'),
+        ('collaborative', 'full'),
+        ('talking_heads', 'per_head'),
+        ('talking_heads_grouped', 'full'),
+        ('gated', 'per_head'),
+    ],
+)
 def test_blockwise_equals_materialising_every_kind_and_mask(make_params, kind, mask_kind):
   check_kind_and_mask(make_params, kind, mask_kind)
 
@@ -120,8 +162,7 @@ def test_blockwise_equals_materialising_every_kind_and_mask(make_params, kind, m
 @pytest.mark.slow
 @pytest.mark.parametrize('mask_kind', MASKS)
 @pytest.mark.parametrize('kind', sorted(KINDS))
-def test_blockwise_equals_materialising_every_kind_times_every_mask(make_params, kind,
-                                                                     mask_kind):
+def test_blockwise_equals_materialising_every_kind_times_every_mask(make_params, kind, mask_kind):
   check_kind_and_mask(make_params, kind, mask_kind)
 
 
@@ -137,8 +178,7 @@ def test_fully_masked_rows_give_zero(make_params):
   params = make_params(spec)
   x = jnp.ones((1, 5, 4))
   mask = jnp.ones((1, 2, 5, 5), bool).at[:, :, 1, :].set(False)
-  heads = dispatch.attend(params, spec, *A.project(params, spec, x, x, x), mask=mask,
-                          block_size=2)
+  heads = dispatch.attend(params, spec, *A.project(params, spec, x, x, x), mask=mask, block_size=2)
   np.testing.assert_array_equal(heads[:, 1], 0.0)
   assert np.all(np.abs(heads[:, 0]) > 0)
 
@@ -152,9 +192,17 @@ def temp_bytes(implementation, length, block_size=128):
   x = jax.ShapeDtypeStruct((1, length, 64), jnp.float32)
 
   def loss(params, x):
-    return jnp.sum(A.multi_head_attention(params, x, spec=spec, is_causal=True,
-                                          implementation=implementation,
-                                          block_size=block_size).out)
+    return jnp.sum(
+        A.multi_head_attention(
+            params,
+            x,
+            spec=spec,
+            is_causal=True,
+            implementation=implementation,
+            block_size=block_size,
+        ).out
+    )
+
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
   return compiled.memory_analysis().temp_size_in_bytes
 
@@ -174,8 +222,17 @@ def test_blockwise_memory_grows_linearly_in_length():
 
 def _dropout_out(params, spec, x, rng, rate, block_size=3, broadcast=True, mask=None):
   return A.multi_head_attention(
-      params, x, spec=spec, mask=mask, rng=rng, dropout_rate=rate, deterministic=False,
-      broadcast_dropout=broadcast, implementation='blockwise', block_size=block_size).out
+      params,
+      x,
+      spec=spec,
+      mask=mask,
+      rng=rng,
+      dropout_rate=rate,
+      deterministic=False,
+      broadcast_dropout=broadcast,
+      implementation='blockwise',
+      block_size=block_size,
+  ).out
 
 
 def test_dropout_is_reproducible_and_drops(make_params):
@@ -188,10 +245,10 @@ def test_dropout_is_reproducible_and_drops(make_params):
   assert not np.allclose(run(params, spec, x, jax.random.key(0), 0.0), first)
 
 
-@pytest.mark.parametrize('kind, broadcast', [('concat', True), ('collaborative', False),
-                                             ('talking_heads', False)])
-def test_dropout_gradients_equal_autodiff_of_the_forward(make_params, monkeypatch, kind,
-                                                         broadcast):
+@pytest.mark.parametrize(
+    'kind, broadcast', [('concat', True), ('collaborative', False), ('talking_heads', False)]
+)
+def test_dropout_gradients_equal_autodiff_of_the_forward(make_params, monkeypatch, kind, broadcast):
   """The recomputing backward regenerates each block's dropout mask: its gradients equal
   those of differentiating the blockwise forward pass itself (non-causal: static loops)."""
   spec = A.AttentionSpec(num_heads=2, in_features=6, **KINDS[kind])
@@ -200,8 +257,9 @@ def test_dropout_gradients_equal_autodiff_of_the_forward(make_params, monkeypatc
   mask = jnp.asarray(np.random.default_rng(2).random((2, 1, 7, 7)) < 0.7).at[:, :, 3].set(False)
 
   def grads():
-    loss = lambda p, x: jnp.sum(jnp.sin(_dropout_out(p, spec, x, jax.random.key(5), 0.4,
-                                                     broadcast=broadcast, mask=mask)))
+    loss = lambda p, x: jnp.sum(
+        jnp.sin(_dropout_out(p, spec, x, jax.random.key(5), 0.4, broadcast=broadcast, mask=mask))
+    )
     return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
 
   custom = grads()
@@ -218,8 +276,12 @@ def test_bfloat16_is_close_to_materialising(make_params):
   spec = A.AttentionSpec(num_heads=4, in_features=32, kind='collaborative', key_dim=16)
   params = make_params(spec, dtype=jnp.bfloat16)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 40, 32)), jnp.bfloat16)
-  outs = [A.multi_head_attention(params, x, spec=spec, is_causal=True, implementation=impl,
-                                 block_size=16).out for impl in ('xla', 'blockwise')]
+  outs = [
+      A.multi_head_attention(
+          params, x, spec=spec, is_causal=True, implementation=impl, block_size=16
+      ).out
+      for impl in ('xla', 'blockwise')
+  ]
   assert outs[1].dtype == jnp.bfloat16
   np.testing.assert_allclose(np.float32(outs[1]), np.float32(outs[0]), atol=0.05, rtol=0.05)
 
@@ -232,8 +294,9 @@ def test_decoding_with_a_cache_equals_materialising(make_params):
     cache = A.init_cache(spec, (1,), 6)
     outs = []
     for chunk in (x[:, :4], x[:, 4:]):
-      result = A.multi_head_attention(params, chunk, spec=spec, cache=cache, block_size=3,
-                                      implementation=implementation)
+      result = A.multi_head_attention(
+          params, chunk, spec=spec, cache=cache, block_size=3, implementation=implementation
+      )
       cache = result.cache
       outs.append(result.out)
     if implementation == 'xla':
@@ -260,17 +323,18 @@ def test_invalid_implementation_settings_name_the_setting(make_params):
   concat = dataclasses.replace(spec, kind='concat', num_logit_heads=None, platform='tpu')
   concat_params = {k: v for k, v in params.items() if 'mixing' not in k}
   with pytest.raises(ValueError, match='a boolean mask'):  # the spec's platform
-    A.multi_head_attention(concat_params, x, spec=concat, mask=jnp.ones((3, 3), bool),
-                           implementation='splash')
+    A.multi_head_attention(
+        concat_params, x, spec=concat, mask=jnp.ones((3, 3), bool), implementation='splash'
+    )
   with pytest.raises(ValueError, match="platform='cuda' is not None or one of"):
     dataclasses.replace(spec, platform='cuda')
 
 
 @pytest.mark.parametrize('length', [6, 7])
-@pytest.mark.parametrize('mask_shape', [(3, 1, 1, None), (3, 1, None, None)],
-                         ids=['padding', 'full'])
-def test_cudnn_wrapper_with_xla_standing_in_for_cudnn(make_params, monkeypatch, length,
-                                                      mask_shape):
+@pytest.mark.parametrize(
+    'mask_shape', [(3, 1, 1, None), (3, 1, None, None)], ids=['padding', 'full']
+)
+def test_cudnn_wrapper_with_xla_standing_in_for_cudnn(make_params, monkeypatch, length, mask_shape):
   """Only our wrapper (batch flattening, masks, odd lengths, fully masked rows): there is no
   GPU here, so jax's XLA implementation stands in for cuDNN, refusing what cuDNN refuses
   (tests/gpu run the real kernel): a mask not of full [q, kv] shape and odd lengths."""
@@ -280,6 +344,7 @@ def test_cudnn_wrapper_with_xla_standing_in_for_cudnn(make_params, monkeypatch, 
     assert query.shape[1] % 2 == 0 and key.shape[1] % 2 == 0, (query.shape, key.shape)
     assert mask is None or mask.shape[-2:] == (query.shape[1], key.shape[1]), mask.shape
     return real(query, key, value, *args, mask=mask, implementation='xla', **kw)
+
   monkeypatch.setattr(jax.nn, 'dot_product_attention', stand_in)
   spec = A.AttentionSpec(num_heads=4, in_features=8, num_kv_heads=2)
   params = make_params(spec, dtype=jnp.bfloat16)
@@ -288,31 +353,37 @@ def test_cudnn_wrapper_with_xla_standing_in_for_cudnn(make_params, monkeypatch, 
   shape = tuple(length if n is None else n for n in mask_shape)
   mask = rng.random(shape) < 0.7
   mask[1] = False  # the second example of each row sees no key at all
-  call = functools.partial(A.multi_head_attention, params, x, spec=spec, mask=jnp.asarray(mask),
-                           is_causal=True)
+  call = functools.partial(
+      A.multi_head_attention, params, x, spec=spec, mask=jnp.asarray(mask), is_causal=True
+  )
   out = call(implementation='cudnn', platform='gpu').out
   expected = call(implementation='xla').out
   np.testing.assert_allclose(np.float32(out), np.float32(expected), atol=0.03, rtol=0.03)
   np.testing.assert_array_equal(np.float32(out[:, 1]), np.float32(expected[:, 1]))
 
 
-@pytest.mark.parametrize('options', [dict(num_kv_heads=1),
-                                     dict(kind='collaborative', key_dim=64)],
-                         ids=['grouped_query', 'collaborative'])
+@pytest.mark.parametrize(
+    'options',
+    [dict(num_kv_heads=1), dict(kind='collaborative', key_dim=64)],
+    ids=['grouped_query', 'collaborative'],
+)
 def test_splash_kernel_in_interpret_mode(make_params, monkeypatch, options):
   """The TPU splash kernel run by Pallas' interpreter on CPU: checks our operands (head-major
   layout, grouped keys, collaborative as shared keys with one-hot bias columns) and gradients,
   not TPU compilation or speed."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-  monkeypatch.setattr(splash, 'make_splash_mha',
-                      functools.partial(splash.make_splash_mha, interpret=True))
+
+  monkeypatch.setattr(
+      splash, 'make_splash_mha', functools.partial(splash.make_splash_mha, interpret=True)
+  )
   spec = A.AttentionSpec(num_heads=2, in_features=128, **options)
   params = make_params(spec)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 128, 128)), jnp.float32)
 
   def loss(params, x, implementation):
-    out = A.multi_head_attention(params, x, spec=spec, is_causal=True,
-                                 implementation=implementation, platform='tpu').out
+    out = A.multi_head_attention(
+        params, x, spec=spec, is_causal=True, implementation=implementation, platform='tpu'
+    ).out
     return jnp.sum(jnp.sin(out)), out
 
   grad = jax.grad(loss, argnums=(0, 1), has_aux=True)

@@ -27,16 +27,28 @@ def spec(kind='concat', **options):
 
 def choose(s, length=512, *, platform, dtype=BF16, batch=8, kv_length=None, **flags):
   return dispatch.choose_implementation(
-      s, q_length=length, kv_length=length if kv_length is None else kv_length, batch=batch,
-      dtype=dtype, platform=platform, **flags)
+      s,
+      q_length=length,
+      kv_length=length if kv_length is None else kv_length,
+      batch=batch,
+      dtype=dtype,
+      platform=platform,
+      **flags
+  )
 
 
-@pytest.mark.parametrize('platform,dtype,expected', [
-    ('tpu', BF16, 'splash'), ('tpu', F32, 'splash'),
-    ('gpu', BF16, 'cudnn'), ('gpu', F16, 'cudnn'),
-    ('gpu', F32, 'pallas'),  # cuDNN computes attention in 16-bit types only
-    ('cpu', F32, 'blockwise'), ('cpu', BF16, 'blockwise'),  # 512 keys: blockwise is faster
-])
+@pytest.mark.parametrize(
+    'platform,dtype,expected',
+    [
+        ('tpu', BF16, 'splash'),
+        ('tpu', F32, 'splash'),
+        ('gpu', BF16, 'cudnn'),
+        ('gpu', F16, 'cudnn'),
+        ('gpu', F32, 'pallas'),  # cuDNN computes attention in 16-bit types only
+        ('cpu', F32, 'blockwise'),
+        ('cpu', BF16, 'blockwise'),  # 512 keys: blockwise is faster
+    ],
+)
 def test_long_rows_go_to_the_platforms_fused_kernel(platform, dtype, expected):
   assert choose(spec(), platform=platform, dtype=dtype) == expected
   assert choose(spec('fixed_head'), platform=platform, dtype=dtype) == expected
@@ -51,8 +63,10 @@ def test_short_rows_are_materialised(platform):
   # Our CPU configs' rows (128-256): 'xla', whose losses they reproduce bitwise.
   for length in (FUSED, dispatch.CPU_BLOCKWISE_MIN_LENGTH - 1):
     assert choose(spec(), length, platform='cpu', dtype=F32) == 'xla'
-  assert choose(spec(), FUSED, platform=platform) == {
-      'cpu': 'xla', 'gpu': 'cudnn', 'tpu': 'splash'}[platform]
+  assert (
+      choose(spec(), FUSED, platform=platform)
+      == {'cpu': 'xla', 'gpu': 'cudnn', 'tpu': 'splash'}[platform]
+  )
   # The documented threshold: one splash block.
   assert choose(spec(), 127, platform=platform) == 'xla'
   assert choose(spec(), 128, platform=platform) != 'xla' or platform == 'cpu'
@@ -72,8 +86,9 @@ def test_weights_that_would_not_fit_go_blockwise():
   assert choose(s, 2048, batch=8, platform='gpu') == 'xla'
   assert choose(s, 2048, batch=9, platform='gpu') == 'blockwise'
   # Fewer output heads than logit heads (a pruned talking-heads layer): the logit heads count.
-  pruned = AttentionSpec(num_heads=2, num_logit_heads=8, head_dim=64, in_features=512,
-                         kind='talking_heads')
+  pruned = AttentionSpec(
+      num_heads=2, num_logit_heads=8, head_dim=64, in_features=512, kind='talking_heads'
+  )
   assert choose(pruned, 256, batch=batch + 1, platform='gpu') == 'blockwise'
 
 
@@ -111,13 +126,23 @@ def test_collaborative_on_gpu_goes_where_it_costs_no_padding():
 
 
 def test_every_choice_can_compute_its_call():
-  kinds = [spec(), spec('fixed_head'), spec('collaborative', key_dim=128),
-           spec('collaborative', key_dim=56), spec('talking_heads'), spec(num_kv_heads=2),
-           spec(use_bias=False, kind='collaborative', key_dim=128)]
+  kinds = [
+      spec(),
+      spec('fixed_head'),
+      spec('collaborative', key_dim=128),
+      spec('collaborative', key_dim=56),
+      spec('talking_heads'),
+      spec(num_kv_heads=2),
+      spec(use_bias=False, kind='collaborative', key_dim=128),
+  ]
   flag_names = ('mask', 'dropout', 'return_weights', 'cache')
   for s, platform, dtype, length, flags in itertools.product(
-      kinds, ('cpu', 'gpu', 'tpu'), (F32, BF16, F16), (FUSED - 1, 512, 8192),
-      itertools.product((False, True), repeat=len(flag_names))):
+      kinds,
+      ('cpu', 'gpu', 'tpu'),
+      (F32, BF16, F16),
+      (FUSED - 1, 512, 8192),
+      itertools.product((False, True), repeat=len(flag_names)),
+  ):
     flags = dict(zip(flag_names, flags))
     chosen = choose(s, length, platform=platform, dtype=dtype, **flags)
     dispatch.check_implementation(chosen, s, platform=platform, dtype=dtype, **flags)
@@ -132,20 +157,27 @@ def test_the_call_computes_with_the_chosen_implementation(monkeypatch):
   """multi_head_attention resolves 'auto' per call: the forced platform's choice reaches
   `dispatch.attend`, and on CPU short rows compute exactly as implementation='xla'."""
   s = AttentionSpec(num_heads=2, in_features=8)
-  params = {name: jax.random.normal(jax.random.key(i), shape) / 3
-            for i, (name, shape) in enumerate(s.param_shapes().items())}
+  params = {
+      name: jax.random.normal(jax.random.key(i), shape) / 3
+      for i, (name, shape) in enumerate(s.param_shapes().items())
+  }
   x = jax.random.normal(jax.random.key(9), (2, 5, 8))
   auto = kernels.multi_head_attention(params, x, spec=s, is_causal=True).out
-  xla = kernels.multi_head_attention(params, x, spec=s, is_causal=True,
-                                     implementation='xla').out
+  xla = kernels.multi_head_attention(params, x, spec=s, is_causal=True, implementation='xla').out
   np.testing.assert_array_equal(auto, xla)
 
   called = []
-  monkeypatch.setattr(dispatch, 'attend', lambda *a, implementation, **k: called.append(
-      implementation) or jnp.zeros((2, FUSED, 2, 4)))
+  monkeypatch.setattr(
+      dispatch,
+      'attend',
+      lambda *a, implementation, **k: called.append(implementation) or jnp.zeros((2, FUSED, 2, 4)),
+  )
   long_x = jnp.zeros((2, FUSED, 8), jnp.bfloat16)
-  for platform, dtype, expected in (('gpu', BF16, 'cudnn'), ('tpu', BF16, 'splash'),
-                                    ('gpu', F32, 'pallas')):
+  for platform, dtype, expected in (
+      ('gpu', BF16, 'cudnn'),
+      ('tpu', BF16, 'splash'),
+      ('gpu', F32, 'pallas'),
+  ):
     kernels.multi_head_attention(params, long_x, spec=s, platform=platform, dtype=dtype)
     assert called[-1] == expected
 
@@ -153,15 +185,25 @@ def test_the_call_computes_with_the_chosen_implementation(monkeypatch):
 def test_the_choice_is_logged_once_per_model(caplog, monkeypatch):
   monkeypatch.setattr(dispatch, '_logged', set())
   attention = AttentionSpec(num_heads=2)
-  cfg = models.TransformerConfig(vocab_size=11, emb_dim=8, mlp_dim=16, num_encoder_layers=2,
-                                 num_decoder_layers=2, max_length=16, encoder_attention=attention,
-                                 decoder_attention=attention, cross_attention=attention)
+  cfg = models.TransformerConfig(
+      vocab_size=11,
+      emb_dim=8,
+      mlp_dim=16,
+      num_encoder_layers=2,
+      num_decoder_layers=2,
+      max_length=16,
+      encoder_attention=attention,
+      decoder_attention=attention,
+      cross_attention=attention,
+  )
   model = models.EncoderDecoder(cfg, bos_id=1, rngs=nnx.Rngs(0))
   inputs, targets = jnp.ones((2, 7), jnp.int32), jnp.ones((2, 5), jnp.int32)
   with caplog.at_level(logging.INFO):
     model(inputs, targets)
     model(inputs, targets)
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('attention:')]
-  assert lines == ['attention: encoder self-attention -> xla (cpu, float32, L=7)',
-                   'attention: decoder self-attention -> xla (cpu, float32, L=5)',
-                   'attention: cross-attention -> xla (cpu, float32, q=5, kv=7)']
+  assert lines == [
+      'attention: encoder self-attention -> xla (cpu, float32, L=7)',
+      'attention: decoder self-attention -> xla (cpu, float32, L=5)',
+      'attention: cross-attention -> xla (cpu, float32, q=5, kv=7)',
+  ]

@@ -36,13 +36,20 @@ def fixed_head_formula(params, x, y, mask):
 SIZES = [(4, 16, 4), (4, 16, 3), (4, 16, 12), (1, 8, 8), (3, 12, 20)]
 
 
-@pytest.mark.parametrize('heads,features,head_dim', SIZES,
-                         ids=[f'h{h}-D{e}-d{d}' for h, e, d in SIZES])
+@pytest.mark.parametrize(
+    'heads,features,head_dim', SIZES, ids=[f'h{h}-D{e}-d{d}' for h, e, d in SIZES]
+)
 @pytest.mark.parametrize('cross', [False, True], ids=['self', 'cross'])
 def test_fixed_head_is_its_formula(make_params, heads, features, head_dim, cross):
   kv_features, out_features = (10, 9) if cross else (features, features)
-  spec = A.AttentionSpec(num_heads=heads, in_features=features, in_kv_features=kv_features,
-                         out_features=out_features, kind='fixed_head', head_dim=head_dim)
+  spec = A.AttentionSpec(
+      num_heads=heads,
+      in_features=features,
+      in_kv_features=kv_features,
+      out_features=out_features,
+      kind='fixed_head',
+      head_dim=head_dim,
+  )
   params = {k: np.asarray(v) for k, v in make_params(spec, seed=head_dim).items()}
   assert params['query_kernel'].shape == (features, heads, head_dim)
   rng = np.random.default_rng(head_dim)
@@ -52,5 +59,6 @@ def test_fixed_head_is_its_formula(make_params, heads, features, head_dim, cross
   mask = rng.random((2, 1, 5, kv_length)) < 0.6
   mask[0, :, 1, :] = False  # a query that sees nothing
   out = jax.jit(lambda p, x, y, m: A.multi_head_attention(p, x, y, spec=spec, mask=m).out)(
-      params, x, y, mask)
+      params, x, y, mask
+  )
   np.testing.assert_allclose(out, fixed_head_formula(params, x, y, mask), rtol=1e-5, atol=1e-5)

@@ -20,14 +20,20 @@ def test_default_gate_is_the_one_of_voita_et_al(numpy_reference):
   gate = HardConcrete()
   log_alpha = np.linspace(-6, 6, 49).astype(np.float32)
   ref = numpy_reference
-  np.testing.assert_allclose(gate.prob_open(log_alpha),
-                             ref.hard_concrete_prob_open(log_alpha, ref.VOITA_TEMPERATURE),
-                             rtol=1e-6, atol=1e-7)
-  np.testing.assert_allclose(gate.expected_l0(log_alpha),
-                             ref.hard_concrete_prob_open(log_alpha, ref.VOITA_TEMPERATURE).sum(),
-                             rtol=1e-6)
-  np.testing.assert_allclose(gate.deterministic(log_alpha), ref.hard_concrete_eval(log_alpha),
-                             rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(
+      gate.prob_open(log_alpha),
+      ref.hard_concrete_prob_open(log_alpha, ref.VOITA_TEMPERATURE),
+      rtol=1e-6,
+      atol=1e-7,
+  )
+  np.testing.assert_allclose(
+      gate.expected_l0(log_alpha),
+      ref.hard_concrete_prob_open(log_alpha, ref.VOITA_TEMPERATURE).sum(),
+      rtol=1e-6,
+  )
+  np.testing.assert_allclose(
+      gate.deterministic(log_alpha), ref.hard_concrete_eval(log_alpha), rtol=1e-6, atol=1e-7
+  )
   np.testing.assert_array_equal(gate.binary_mask(log_alpha), ref.hard_concrete_eval(log_alpha) > 0)
 
 
@@ -39,8 +45,7 @@ def test_eval_gates_open_exactly_above_log_11(numpy_reference):
   assert gate.deterministic(jnp.array(-math.log(11) - 1e-3)) == 0.0
   assert gate.deterministic(jnp.array(-math.log(11) + 1e-2)) > 0.0
   half_open = numpy_reference.hard_concrete_eval(np.array([-1.0, 0.0, 1.5]))
-  np.testing.assert_allclose(gate.deterministic(jnp.array([-1.0, 0.0, 1.5])), half_open,
-                             rtol=1e-6)
+  np.testing.assert_allclose(gate.deterministic(jnp.array([-1.0, 0.0, 1.5])), half_open, rtol=1e-6)
   assert np.all((half_open > 0) & (half_open < 1))
 
 
@@ -49,28 +54,39 @@ def test_sampled_gates_follow_the_reference_distribution(gate_name, numpy_refere
   ref = numpy_reference
   gate, temperature = {
       'default': (HardConcrete(), ref.VOITA_TEMPERATURE),
-      'louizos': (HardConcrete(temperature=2 / 3), ref.LOUIZOS_TEMPERATURE)}[gate_name]
+      'louizos': (HardConcrete(temperature=2 / 3), ref.LOUIZOS_TEMPERATURE),
+  }[gate_name]
   n = 200_000
-  draws = np.asarray(jax.jit(jax.vmap(lambda rng: gate.sample(rng, LOG_ALPHAS)))(
-      jax.random.split(jax.random.key(0), n)))
+  draws = np.asarray(
+      jax.jit(jax.vmap(lambda rng: gate.sample(rng, LOG_ALPHAS)))(
+          jax.random.split(jax.random.key(0), n)
+      )
+  )
   assert draws.min() == 0.0 and draws.max() == 1.0
   # Binomial standard errors are <= 0.0012 at n = 200k: 4e-3 is over 3 of them.
-  np.testing.assert_allclose((draws == 0).mean(0),
-                             1 - ref.hard_concrete_prob_open(LOG_ALPHAS, temperature), atol=4e-3)
-  np.testing.assert_allclose((draws == 1).mean(0),
-                             ref.hard_concrete_prob_one(LOG_ALPHAS, temperature), atol=4e-3)
-  np.testing.assert_allclose(draws.mean(0), ref.hard_concrete_mean(LOG_ALPHAS, temperature),
-                             atol=4e-3)
+  np.testing.assert_allclose(
+      (draws == 0).mean(0), 1 - ref.hard_concrete_prob_open(LOG_ALPHAS, temperature), atol=4e-3
+  )
+  np.testing.assert_allclose(
+      (draws == 1).mean(0), ref.hard_concrete_prob_one(LOG_ALPHAS, temperature), atol=4e-3
+  )
+  np.testing.assert_allclose(
+      draws.mean(0), ref.hard_concrete_mean(LOG_ALPHAS, temperature), atol=4e-3
+  )
 
 
 def test_the_two_temperatures_are_distinguishable(numpy_reference):
   """The Monte-Carlo tolerance above (4e-3) is well below the gap between beta = 0.33 and 2/3."""
   ref = numpy_reference
-  gap = np.abs(ref.hard_concrete_prob_open(LOG_ALPHAS, ref.VOITA_TEMPERATURE)
-               - ref.hard_concrete_prob_open(LOG_ALPHAS, ref.LOUIZOS_TEMPERATURE))
+  gap = np.abs(
+      ref.hard_concrete_prob_open(LOG_ALPHAS, ref.VOITA_TEMPERATURE)
+      - ref.hard_concrete_prob_open(LOG_ALPHAS, ref.LOUIZOS_TEMPERATURE)
+  )
   assert gap.max() > 0.1
-  gap_mean = np.abs(ref.hard_concrete_mean(LOG_ALPHAS, ref.VOITA_TEMPERATURE)
-                    - ref.hard_concrete_mean(LOG_ALPHAS, ref.LOUIZOS_TEMPERATURE))
+  gap_mean = np.abs(
+      ref.hard_concrete_mean(LOG_ALPHAS, ref.VOITA_TEMPERATURE)
+      - ref.hard_concrete_mean(LOG_ALPHAS, ref.LOUIZOS_TEMPERATURE)
+  )
   assert gap_mean.max() > 0.015
 
 

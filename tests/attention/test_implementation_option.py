@@ -41,6 +41,7 @@ def value_and_grads(module, loss_fn, *args):
   def run(params, *args):
     loss = lambda params, *args: loss_fn(nnx.merge(graphdef, params, rest), *args)
     return jax.value_and_grad(loss, argnums=argnums)(params, *args)
+
   return run(params, *args)
 
 
@@ -49,8 +50,9 @@ def assert_same(result, expected):
   np.testing.assert_allclose(loss, expected_loss, atol=1e-5, rtol=1e-5)
   leaves = jax.tree.leaves_with_path(expected_grads)
   for (path, g_expected), g in zip(leaves, jax.tree.leaves(grads), strict=True):
-    np.testing.assert_allclose(g, g_expected, atol=5e-5, rtol=5e-4,
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+        g, g_expected, atol=5e-5, rtol=5e-4, err_msg=jax.tree_util.keystr(path)
+    )
 
 
 # ------------------------------------------------------------------ the spec
@@ -101,8 +103,9 @@ def test_blockwise_layer_equals_xla_layer(kind, make_params):
   x = jax.random.normal(jax.random.key(0), (2, L, D))
   valid = jnp.arange(L) < jnp.array([[L], [4]])
   mask = nnx.make_attention_mask(valid, valid)
-  assert_same(value_and_grads(layer, layer_loss, x, mask),
-              value_and_grads(xla, layer_loss, x, mask))
+  assert_same(
+      value_and_grads(layer, layer_loss, x, mask), value_and_grads(xla, layer_loss, x, mask)
+  )
 
 
 def test_blockwise_layer_refuses_to_return_weights_or_logits():
@@ -111,8 +114,9 @@ def test_blockwise_layer_refuses_to_return_weights_or_logits():
   for argument in ('return_weights', 'return_logits'):
     with pytest.raises(ValueError, match=rf"{argument}=True needs implementation='xla'"):
       layer(x, **{argument: True})
-  with pytest.raises(ValueError, match="sow_weights=True needs implementation='xla', not "
-                                       "'blockwise'"):
+  with pytest.raises(
+      ValueError, match="sow_weights=True needs implementation='xla', not " "'blockwise'"
+  ):
     layer(x, sow_weights=True)
 
 
@@ -122,30 +126,45 @@ def test_decoding_computes_as_xla(implementation):
   that cannot run here and takes no cache."""
   xla = lnn.MultiHeadAttention(H, D, kind='collaborative', key_dim=6, rngs=nnx.Rngs(0))
   layer = lnn.MultiHeadAttention.from_spec(
-      dataclasses.replace(xla.spec, implementation=implementation), rngs=nnx.Rngs(0))
+      dataclasses.replace(xla.spec, implementation=implementation), rngs=nnx.Rngs(0)
+  )
   x = jax.random.normal(jax.random.key(0), (2, L, D))
   if implementation == 'splash':
     with pytest.raises(ValueError, match='needs a TPU backend'):
       layer(x, is_causal=True)
   layer.init_cache(x.shape)
   step = nnx.jit(lambda layer, x: layer(x, decode=True))
-  steps = [step(layer, x[:, i:i + 1]) for i in range(L)]
-  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), xla(x, is_causal=True),
-                             atol=1e-5, rtol=1e-5)
+  steps = [step(layer, x[:, i : i + 1]) for i in range(L)]
+  np.testing.assert_allclose(
+      jnp.concatenate(steps, axis=1), xla(x, is_causal=True), atol=1e-5, rtol=1e-5
+  )
 
 
 # ------------------------------------------------------------------ the models
 
 
 def model_config(implementation, **overrides):
-  templates = {f'{t}_attention': AttentionSpec(num_heads=H, implementation=implementation,
-                                               block_size=BLOCK, **options)
-               for t, options in (('encoder', dict(kind='collaborative', key_dim=6)),
-                                  ('decoder', dict(num_kv_heads=1)),
-                                  ('cross', dict(gated=True, gate_log_alpha_init=0.5)))}
+  templates = {
+      f'{t}_attention': AttentionSpec(
+          num_heads=H, implementation=implementation, block_size=BLOCK, **options
+      )
+      for t, options in (
+          ('encoder', dict(kind='collaborative', key_dim=6)),
+          ('decoder', dict(num_kv_heads=1)),
+          ('cross', dict(gated=True, gate_log_alpha_init=0.5)),
+      )
+  }
   return models.TransformerConfig(
-      vocab_size=V, emb_dim=D, mlp_dim=16, num_encoder_layers=1, num_decoder_layers=1,
-      max_length=16, dropout_rate=0.0, **templates, **overrides)
+      vocab_size=V,
+      emb_dim=D,
+      mlp_dim=16,
+      num_encoder_layers=1,
+      num_decoder_layers=1,
+      max_length=16,
+      dropout_rate=0.0,
+      **templates,
+      **overrides,
+  )
 
 
 def cross_entropy(logits, targets):
@@ -168,7 +187,7 @@ def tokens(shape, seed, padding):
   """Random tokens, the last `padding[i]` of row i being padding (0)."""
   x = np.random.default_rng(seed).integers(1, V, shape)
   for row, count in enumerate(padding):
-    x[row, shape[1] - count:] = 0
+    x[row, shape[1] - count :] = 0
   return jnp.asarray(x, jnp.int32)
 
 
@@ -180,6 +199,7 @@ def spy_on_blockwise(monkeypatch):
   def spy(*args, is_causal=False, **kwargs):
     calls.append(is_causal)
     return real(*args, is_causal=is_causal, **kwargs)
+
   monkeypatch.setattr(blockwise, 'blockwise_attention', spy)
   return calls
 
@@ -192,8 +212,9 @@ def test_decoder_lm_with_blockwise_attention_equals_xla(monkeypatch):
   x = tokens((2, 11), seed=0, padding=(0, 3))
   segments = jnp.asarray([[1] * 6 + [2] * 5, [1] * 8 + [0] * 3], jnp.int32)
   calls = spy_on_blockwise(monkeypatch)
-  assert_same(value_and_grads(model, lm_loss, x, segments),
-              value_and_grads(xla, lm_loss, x, segments))
+  assert_same(
+      value_and_grads(model, lm_loss, x, segments), value_and_grads(xla, lm_loss, x, segments)
+  )
   assert calls and all(calls), calls  # every decoder self-attention call is causal
 
 
@@ -204,8 +225,10 @@ def test_encoder_decoder_with_blockwise_attention_equals_xla(monkeypatch):
   inputs = tokens((2, 10), seed=1, padding=(0, 4))
   targets = tokens((2, 7), seed=2, padding=(2, 0))
   calls = spy_on_blockwise(monkeypatch)
-  assert_same(value_and_grads(model, nmt_loss, inputs, targets),
-              value_and_grads(xla, nmt_loss, inputs, targets))
+  assert_same(
+      value_and_grads(model, nmt_loss, inputs, targets),
+      value_and_grads(xla, nmt_loss, inputs, targets),
+  )
   # Traced once: encoder self (not causal), decoder self (causal), cross (not causal).
   assert calls == [False, True, False], calls
 
@@ -221,8 +244,11 @@ def test_blockwise_model_never_materialises_attention_logits():
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     loss = lambda p: lm_loss(nnx.merge(graphdef, p, rest), x, segments)
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
-    return [v.aval.shape for v in _variables(jaxpr)
-            if jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.shape[-2:] == (11, 11)]
+    return [
+        v.aval.shape
+        for v in _variables(jaxpr)
+        if jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.shape[-2:] == (11, 11)
+    ]
 
   assert square_float_shapes('xla')
   assert not square_float_shapes('blockwise')
@@ -253,24 +279,32 @@ def parse_flags(*overrides):
 
 
 def test_command_line_selects_the_implementation():
-  config = parse_flags('--config.model.decoder_attention.implementation=blockwise',
-                       '--config.model.decoder_attention.block_size=64')
+  config = parse_flags(
+      '--config.model.decoder_attention.implementation=blockwise',
+      '--config.model.decoder_attention.block_size=64',
+  )
   config_lib.validate(config)
   cfg = config_lib.model_config(config, vocab_size=V)
   assert (cfg.decoder_attention.implementation, cfg.decoder_attention.block_size) == (
-      'blockwise', 64)
+      'blockwise',
+      64,
+  )
   model = nnx.eval_shape(lambda: models.DecoderLM(cfg, rngs=nnx.Rngs(0)))
-  assert {layer.spec.implementation for layer in model.decoder.attention_layers()} == {
-      'blockwise'}
+  assert {layer.spec.implementation for layer in model.decoder.attention_layers()} == {'blockwise'}
   recorded = config_lib.from_dict(config_lib.to_dict(config))  # a run's config.json
   assert recorded.model.decoder_attention.implementation == 'blockwise'
 
 
-@pytest.mark.parametrize('override, message', [
-    ('decoder_attention.implementation=flash',
-     r"config\.model\.decoder_attention: implementation='flash' is not one of"),
-    ('attention.block_size=0', r'config\.model\.attention: block_size=0 must be an integer'),
-])
+@pytest.mark.parametrize(
+    'override, message',
+    [
+        (
+            'decoder_attention.implementation=flash',
+            r"config\.model\.decoder_attention: implementation='flash' is not one of",
+        ),
+        ('attention.block_size=0', r'config\.model\.attention: block_size=0 must be an integer'),
+    ],
+)
 def test_command_line_rejects_bad_values_naming_the_field(override, message):
   config = parse_flags(f'--config.model.{override}')
   with pytest.raises(ValueError, match=message):

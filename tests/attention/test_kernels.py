@@ -44,8 +44,10 @@ def run(params, x, spec, **kwargs):
 def test_fixed_head_lifts_the_rank_of_each_heads_logits(make_params):
   """Bhojanapalli et al.: with head size d < n a head's n x n logits have rank <= d."""
   x = inputs((1, 24, 32))
-  for spec, rank in ((A.AttentionSpec(4, 32, kind='concat'), 8),
-                     (A.AttentionSpec(4, 32, kind='fixed_head', head_dim=24), 24)):
+  for spec, rank in (
+      (A.AttentionSpec(4, 32, kind='concat'), 8),
+      (A.AttentionSpec(4, 32, kind='fixed_head', head_dim=24), 24),
+  ):
     params = make_params(spec)
     q, k, _, _ = A.project(params, spec, x, x, x)
     head_logits = A.logits(params, spec, q, k, None)[0, 0]
@@ -62,7 +64,10 @@ def test_collaborative_concatenate_full_width_is_concat(make_params, use_bias):
   x, y = inputs(), inputs((2, 9, 16), seed=2)
   np.testing.assert_allclose(
       A.multi_head_attention(collab_params, x, y, spec=collab).out,
-      A.multi_head_attention(params, x, y, spec=concat).out, atol=2e-5, rtol=1e-5)
+      A.multi_head_attention(params, x, y, spec=concat).out,
+      atol=2e-5,
+      rtol=1e-5,
+  )
 
 
 def test_collaborative_keeps_the_scale_it_is_given():
@@ -80,8 +85,9 @@ def test_gated_with_all_gates_open_is_its_base_kind(make_params, options):
   params = make_params(base)
   gated_params = {**params, 'gate_log_alpha': jnp.full((4,), 3.0)}  # > log(11): gate == 1
   x = inputs()
-  np.testing.assert_array_equal(run(gated_params, x, gated, is_causal=True),
-                                run(params, x, base, is_causal=True))
+  np.testing.assert_array_equal(
+      run(gated_params, x, gated, is_causal=True), run(params, x, base, is_causal=True)
+  )
 
 
 def test_talking_heads_with_identity_mixing_is_concat(make_params):
@@ -90,8 +96,11 @@ def test_talking_heads_with_identity_mixing_is_concat(make_params):
   identity = {'pre_softmax_mixing': jnp.eye(4), 'post_softmax_mixing': jnp.eye(4)}
   x = inputs()
   mask = jax.random.bernoulli(jax.random.key(3), 0.7, (2, 1, 6, 6))
-  np.testing.assert_allclose(run({**params, **identity}, x, talking, mask=mask),
-                             run(params, x, concat, mask=mask), atol=1e-6)
+  np.testing.assert_allclose(
+      run({**params, **identity}, x, talking, mask=mask),
+      run(params, x, concat, mask=mask),
+      atol=1e-6,
+  )
 
 
 def test_talking_heads_mixes_heads(make_params):
@@ -99,8 +108,9 @@ def test_talking_heads_mixes_heads(make_params):
   params = make_params(talking)
   weights = A.multi_head_attention(params, inputs(), spec=talking, return_weights=True).weights
   concat_params = {k: v for k, v in params.items() if 'mixing' not in k}
-  plain = A.multi_head_attention(concat_params, inputs(), spec=spec_of(),
-                                 return_weights=True).weights
+  plain = A.multi_head_attention(
+      concat_params, inputs(), spec=spec_of(), return_weights=True
+  ).weights
   assert not np.allclose(weights, plain, atol=1e-3)
 
 
@@ -113,8 +123,9 @@ def test_padding_mask_equals_attention_on_the_unpadded_sequence(make_params, opt
   params = make_params(spec)
   x = inputs((1, 9, 16))
   valid = jnp.arange(9) < 6
-  padded = A.multi_head_attention(params, x, spec=spec,
-                                  mask=A.padding_mask(valid[None], valid[None])).out[:, :6]
+  padded = A.multi_head_attention(
+      params, x, spec=spec, mask=A.padding_mask(valid[None], valid[None])
+  ).out[:, :6]
   short = A.multi_head_attention(params, x[:, :6], spec=spec).out
   np.testing.assert_allclose(padded, short, atol=2e-6)
 
@@ -128,10 +139,9 @@ def test_fully_masked_query_rows_give_zero_and_finite_gradients(make_params, opt
 
   def loss(params, x):
     result = A.multi_head_attention(params, x, spec=spec, mask=mask, return_weights=True)
-    return jnp.sum(result.out ** 2), (result.out, result.weights)
+    return jnp.sum(result.out**2), (result.out, result.weights)
 
-  (value, (out, weights)), grads = jax.value_and_grad(loss, has_aux=True, argnums=(0, 1))(
-      params, x)
+  (value, (out, weights)), grads = jax.value_and_grad(loss, has_aux=True, argnums=(0, 1))(params, x)
   assert np.isfinite(value) and all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
   np.testing.assert_array_equal(weights[:, :, 2], 0.0)
   np.testing.assert_array_equal(weights[1], 0.0)
@@ -148,16 +158,18 @@ def test_causal_flag_equals_an_explicit_causal_mask_and_hides_the_future(make_pa
   causal = run(params, x, spec, is_causal=True)
   np.testing.assert_array_equal(causal, run(params, x, spec, mask=A.causal_mask(6)))
   changed_future = x.at[:, 4:].set(7.0)
-  np.testing.assert_allclose(run(params, changed_future, spec, is_causal=True)[:, :4],
-                             causal[:, :4], atol=1e-6)
+  np.testing.assert_allclose(
+      run(params, changed_future, spec, is_causal=True)[:, :4], causal[:, :4], atol=1e-6
+  )
 
 
 def test_arbitrary_per_head_boolean_mask(make_params):
   spec = spec_of()
   params = make_params(spec)
   mask = jax.random.bernoulli(jax.random.key(5), 0.5, (2, 4, 6, 6))
-  weights = A.multi_head_attention(params, inputs(), spec=spec, mask=mask,
-                                   return_weights=True).weights
+  weights = A.multi_head_attention(
+      params, inputs(), spec=spec, mask=mask, return_weights=True
+  ).weights
   assert np.all(np.asarray(weights)[~np.asarray(mask)] == 0.0)
   rows = np.asarray(mask).any(-1)
   np.testing.assert_allclose(np.asarray(weights.sum(-1))[rows], 1.0, atol=1e-5)
@@ -209,11 +221,12 @@ def test_decoding_under_jit_with_a_traced_index(make_params):
   step = jax.jit(lambda cache, xt: A.multi_head_attention(params, xt, spec=spec, cache=cache))
   cache, outs = A.init_cache(spec, (2,), 5), []
   for t in range(5):
-    result = step(cache, x[:, t:t + 1])
+    result = step(cache, x[:, t : t + 1])
     outs.append(result.out)
     cache = result.cache
-  np.testing.assert_allclose(jnp.concatenate(outs, 1), run(params, x, spec, is_causal=True),
-                             atol=2e-6)
+  np.testing.assert_allclose(
+      jnp.concatenate(outs, 1), run(params, x, spec, is_causal=True), atol=2e-6
+  )
 
 
 # ------------------------------------------------------------------ head masks and importance
@@ -225,8 +238,9 @@ def test_head_mask_zero_equals_removing_the_head_from_the_output_projection(make
   x = inputs()
   head_mask = jnp.array([1.0, 0.0, 1.0, 1.0])
   pruned = {**params, 'out_kernel': params['out_kernel'].at[1].set(0.0)}
-  np.testing.assert_allclose(run(params, x, spec, head_mask=head_mask), run(pruned, x, spec),
-                             atol=1e-6)
+  np.testing.assert_allclose(
+      run(params, x, spec, head_mask=head_mask), run(pruned, x, spec), atol=1e-6
+  )
 
 
 def test_head_mask_gradient_is_the_michel_head_importance(make_params):
@@ -251,16 +265,17 @@ def test_dropout_zeroes_weights_and_is_unbiased(make_params):
   params = make_params(spec)
   x = inputs((1, 6, 16))
   call = lambda rng: A.multi_head_attention(
-      params, x, spec=spec, rng=rng, dropout_rate=0.5, deterministic=False,
-      broadcast_dropout=False)
+      params, x, spec=spec, rng=rng, dropout_rate=0.5, deterministic=False, broadcast_dropout=False
+  )
   outs = jax.vmap(lambda r: call(r).out)(jax.random.split(jax.random.key(0), 4000))
   # The mean of 4000 draws is within 5 standard errors of the dropout-free output.
   z = (outs.mean(0) - run(params, x, spec)) / (outs.std(0) / np.sqrt(len(outs)))
   assert np.abs(z).max() < 5
   assert not np.allclose(outs[0], outs[1])
   # deterministic=True switches dropout off even when a rate and a key are given.
-  evaluation = A.multi_head_attention(params, x, spec=spec, rng=jax.random.key(1),
-                                      dropout_rate=0.5, deterministic=True).out
+  evaluation = A.multi_head_attention(
+      params, x, spec=spec, rng=jax.random.key(1), dropout_rate=0.5, deterministic=True
+  ).out
   np.testing.assert_array_equal(evaluation, run(params, x, spec))
 
 
@@ -268,16 +283,18 @@ def test_training_mode_gates_are_sampled_and_eval_gates_are_fixed(make_params, n
   spec = spec_of(gated=True)
   params = {**make_params(spec), 'gate_log_alpha': jnp.zeros(4)}
   x = inputs()
-  train = lambda seed: A.multi_head_attention(params, x, spec=spec, rng=jax.random.key(seed),
-                                              deterministic=False).out
+  train = lambda seed: A.multi_head_attention(
+      params, x, spec=spec, rng=jax.random.key(seed), deterministic=False
+  ).out
   assert not np.allclose(train(0), train(1))
   # Evaluation: every head scaled by its eq.-13 gate, sigmoid(0) * 1.2 - 0.1 = 0.5.
   gate = numpy_reference.hard_concrete_eval(0.0)
   assert gate == pytest.approx(0.5)
   ungated = dataclasses.replace(spec, gated=False)
   open_params = {k: v for k, v in params.items() if k != 'gate_log_alpha'}
-  np.testing.assert_allclose(run(params, x, spec),
-                             run(open_params, x, ungated, head_mask=jnp.full(4, gate)), atol=1e-6)
+  np.testing.assert_allclose(
+      run(params, x, spec), run(open_params, x, ungated, head_mask=jnp.full(4, gate)), atol=1e-6
+  )
 
 
 # ------------------------------------------------------------------ transforms and dtypes
@@ -293,8 +310,14 @@ def test_jit_vmap_and_grad(make_params, options):
   np.testing.assert_allclose(jitted, eager, atol=1e-5)
   vmapped = jax.vmap(lambda x: run(params, x, spec, is_causal=True))(x)
   np.testing.assert_allclose(vmapped, eager, atol=1e-5)
-  check_grads(lambda p: run(p, x[0, :1], spec, is_causal=True), (params,), order=1,
-              modes=['rev'], atol=5e-2, rtol=5e-2)
+  check_grads(
+      lambda p: run(p, x[0, :1], spec, is_causal=True),
+      (params,),
+      order=1,
+      modes=['rev'],
+      atol=5e-2,
+      rtol=5e-2,
+  )
 
 
 @pytest.mark.parametrize('options', KINDS_AND_OPTIONS, ids=IDS)
@@ -304,8 +327,9 @@ def test_bfloat16_inputs_with_float32_softmax(make_params, options):
   x = inputs()
   reference = A.multi_head_attention(params, x, spec=spec, is_causal=True).out
   params16 = {k: v.astype(jnp.bfloat16) for k, v in params.items()}
-  out, weights = A.multi_head_attention(params16, x.astype(jnp.bfloat16), spec=spec,
-                                        is_causal=True, return_weights=True)[:2]
+  out, weights = A.multi_head_attention(
+      params16, x.astype(jnp.bfloat16), spec=spec, is_causal=True, return_weights=True
+  )[:2]
   assert out.dtype == jnp.bfloat16 and weights.dtype == jnp.float32
   if spec.kind != 'talking_heads':
     np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
@@ -341,8 +365,11 @@ def count_matmul_flops(fn, *args):
   return total
 
 
-@pytest.mark.parametrize('options', KINDS_AND_OPTIONS + [
-    dict(kind='fixed_head', head_dim=40, in_kv_features=24, out_features=8)], ids=IDS + ['mixed'])
+@pytest.mark.parametrize(
+    'options',
+    KINDS_AND_OPTIONS + [dict(kind='fixed_head', head_dim=40, in_kv_features=24, out_features=8)],
+    ids=IDS + ['mixed'],
+)
 def test_analytic_flops_equal_the_matmuls_xla_runs(make_params, options):
   spec = spec_of(**options)
   params = make_params(spec)
@@ -365,18 +392,21 @@ def test_parameter_count_and_flops_by_kind():
 # ------------------------------------------------------------------ errors
 
 
-@pytest.mark.parametrize('options, message', [
-    (dict(kind='concat', qkv_features=30), 'qkv_features=30 must be divisible by num_heads=4'),
-    (dict(kind='fixed_head'), "kind='fixed_head' needs head_dim"),
-    (dict(kind='collaborative', key_dim=0), 'key_dim=0 must be an integer >= 1'),
-    (dict(kind='concat', key_dim=8), "key_dim=8 is only used by kind='collaborative'"),
-    (dict(kind='multi-query'), "kind='multi-query' is not one of"),
-    (dict(kind='concat', num_kv_heads=3), 'num_heads=4 must be divisible by num_kv_heads=3'),
-    (dict(kind='concat', head_dim=8, qkv_features=16), 'qkv_features=16 conflicts'),
-    (dict(kind='collaborative', normalize_qk=True), 'normalize_qk=True is only defined'),
-    (dict(kind='concat', logit_scale=-1.0), 'logit_scale=-1.0 must be a number > 0'),
-    (dict(kind='concat', head_dim=0), 'head_dim=0 must be an integer >= 1'),
-])
+@pytest.mark.parametrize(
+    'options, message',
+    [
+        (dict(kind='concat', qkv_features=30), 'qkv_features=30 must be divisible by num_heads=4'),
+        (dict(kind='fixed_head'), "kind='fixed_head' needs head_dim"),
+        (dict(kind='collaborative', key_dim=0), 'key_dim=0 must be an integer >= 1'),
+        (dict(kind='concat', key_dim=8), "key_dim=8 is only used by kind='collaborative'"),
+        (dict(kind='multi-query'), "kind='multi-query' is not one of"),
+        (dict(kind='concat', num_kv_heads=3), 'num_heads=4 must be divisible by num_kv_heads=3'),
+        (dict(kind='concat', head_dim=8, qkv_features=16), 'qkv_features=16 conflicts'),
+        (dict(kind='collaborative', normalize_qk=True), 'normalize_qk=True is only defined'),
+        (dict(kind='concat', logit_scale=-1.0), 'logit_scale=-1.0 must be a number > 0'),
+        (dict(kind='concat', head_dim=0), 'head_dim=0 must be an integer >= 1'),
+    ],
+)
 def test_invalid_settings_name_the_argument(options, message):
   with pytest.raises(ValueError, match=message.replace('(', r'\(').replace('[', r'\[')):
     spec_of(**options)

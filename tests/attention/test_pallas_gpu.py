@@ -43,17 +43,25 @@ def operands(dtype, key_heads, dk=6, dv=5, seed=0):
   normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
   q_ids = np.array([[1] * 6 + [2] * 5 + [0] * 2, [1] * 4 + [3] * 3 + [2] * 4 + [0] * 2])
   kv_ids = np.array([[1] * 5 + [2] * 4 + [0] * 2, [2] * 5 + [1] * 6])
-  return (normal(2, LQ, H, dk), normal(2, LK, key_heads, dk), normal(2, LK, H, dv),
-          normal(2, H, LK), (jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)))
+  return (
+      normal(2, LQ, H, dk),
+      normal(2, LK, key_heads, dk),
+      normal(2, LK, H, dv),
+      normal(2, H, LK),
+      (jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)),
+  )
 
 
 def value_and_grads(fn, query, key, value, key_bias):
   """fn's output and the gradients of sum(sin(out)) w.r.t. query, key, value, key_bias."""
+
   def loss(*args):
     out = fn(*args)
     return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
+
   grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-      query, key, value, key_bias)
+      query, key, value, key_bias
+  )
   return out, grads
 
 
@@ -62,23 +70,38 @@ def relative_error(result, expected):
   return np.linalg.norm(result - expected) / np.linalg.norm(expected)
 
 
-@pytest.mark.parametrize('key_heads, is_causal, dtype', [
-    (1, False, jnp.float32), (1, True, jnp.float32), (1, False, jnp.bfloat16),
-    (1, True, jnp.bfloat16), (H, True, jnp.float32)],
-    ids=['shared_key-full-float32', 'shared_key-causal-float32', 'shared_key-full-bfloat16',
-         'shared_key-causal-bfloat16', 'per_head_key-causal-float32'])
+@pytest.mark.parametrize(
+    'key_heads, is_causal, dtype',
+    [
+        (1, False, jnp.float32),
+        (1, True, jnp.float32),
+        (1, False, jnp.bfloat16),
+        (1, True, jnp.bfloat16),
+        (H, True, jnp.float32),
+    ],
+    ids=[
+        'shared_key-full-float32',
+        'shared_key-causal-float32',
+        'shared_key-full-bfloat16',
+        'shared_key-causal-bfloat16',
+        'per_head_key-causal-float32',
+    ],
+)
 def test_kernel_equals_the_materialising_formula(dtype, is_causal, key_heads):
   """Collaborative's operands (one shared key, values of another width, a key bias) and
   concat's (a key per head), with segment ids: values and gradients of q, k, v, key_bias."""
   query, key, value, key_bias, ids = operands(dtype, key_heads)
-  kernel = functools.partial(pallas_gpu.flash_attention, segment_ids=ids, is_causal=is_causal,
-                             block_q=BLOCK, block_k=BLOCK)
-  out, grads = value_and_grads(lambda q, k, v, b: kernel(q, k, v, key_bias=b), query, key,
-                               value, key_bias)
+  kernel = functools.partial(
+      pallas_gpu.flash_attention, segment_ids=ids, is_causal=is_causal, block_q=BLOCK, block_k=BLOCK
+  )
+  out, grads = value_and_grads(
+      lambda q, k, v, b: kernel(q, k, v, key_bias=b), query, key, value, key_bias
+  )
   f32 = lambda x: x.astype(jnp.float32)
   expected, expected_grads = value_and_grads(
-      lambda q, k, v, b: reference(q, k, v, b, ids, is_causal), *map(f32, (query, key, value,
-                                                                          key_bias)))
+      lambda q, k, v, b: reference(q, k, v, b, ids, is_causal),
+      *map(f32, (query, key, value, key_bias))
+  )
   assert out.dtype == dtype and out.shape == (2, LQ, H, 5)
   eps = float(jnp.finfo(dtype).eps)
   if dtype == jnp.float32:  # rounding only: a few eps per summed term
@@ -95,10 +118,12 @@ def test_kernel_equals_the_materialising_formula(dtype, is_causal, key_heads):
 def test_a_query_that_sees_no_key_outputs_zero_and_has_zero_gradient():
   query, key, value, key_bias, ids = operands(jnp.float32, 1)
   kernel = lambda q, k, v, b: pallas_gpu.flash_attention(
-      q, k, v, key_bias=b, segment_ids=ids, is_causal=True, block_q=BLOCK, block_k=BLOCK)
+      q, k, v, key_bias=b, segment_ids=ids, is_causal=True, block_q=BLOCK, block_k=BLOCK
+  )
   out, (d_query, *others) = value_and_grads(kernel, query, key, value, key_bias)
-  sees_none = ~np.any(np.asarray(core.segment_mask(*ids))[:, 0] & np.asarray(
-      core.causal_mask(LQ, LK)), axis=-1)
+  sees_none = ~np.any(
+      np.asarray(core.segment_mask(*ids))[:, 0] & np.asarray(core.causal_mask(LQ, LK)), axis=-1
+  )
   assert sees_none[0, 11:].all() and sees_none[1, 4:7].all() and sees_none[1, 11:].all()
   np.testing.assert_array_equal(np.asarray(out)[sees_none], 0.0)
   np.testing.assert_array_equal(np.asarray(d_query)[sees_none], 0.0)
@@ -109,10 +134,12 @@ def test_a_query_that_sees_no_key_outputs_zero_and_has_zero_gradient():
 def test_kernel_without_segment_ids_hides_the_padded_keys():
   """No ids: only the padding to whole blocks is hidden (11 keys in blocks of 8)."""
   query, key, value, key_bias, _ = operands(jnp.float32, 1, dk=16, dv=16)
-  out = pallas_gpu.flash_attention(query, key, value, key_bias=key_bias, block_q=BLOCK,
-                                   block_k=BLOCK)
-  np.testing.assert_allclose(out, reference(query, key, value, key_bias, None, False),
-                             atol=8e-7 * LK, rtol=8e-7 * LK)
+  out = pallas_gpu.flash_attention(
+      query, key, value, key_bias=key_bias, block_q=BLOCK, block_k=BLOCK
+  )
+  np.testing.assert_allclose(
+      out, reference(query, key, value, key_bias, None, False), atol=8e-7 * LK, rtol=8e-7 * LK
+  )
 
 
 # ------------------------------------------------------------------ through the layer
@@ -126,10 +153,18 @@ KINDS = {
 
 def layer_loss_and_grads(params, x, y, spec, implementation, segment_ids):
   def loss(params, x, y):
-    out = A.multi_head_attention(params, x, y, spec=spec, is_causal=True,
-                                 segment_ids=segment_ids, implementation=implementation,
-                                 platform='gpu').out
+    out = A.multi_head_attention(
+        params,
+        x,
+        y,
+        spec=spec,
+        is_causal=True,
+        segment_ids=segment_ids,
+        implementation=implementation,
+        platform='gpu',
+    ).out
     return jnp.sum(jnp.sin(out)), out
+
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(params, x, y)
 
 
@@ -145,10 +180,10 @@ def test_pallas_layer_equals_xla_layer(make_params, kind):
   grads, out = layer_loss_and_grads(params, x, y, spec, 'pallas', ids)
   expected_grads, expected = layer_loss_and_grads(params, x, y, spec, 'xla', ids)
   np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
-  for (path, g_ref), g in zip(jax.tree.leaves_with_path(expected_grads), jax.tree.leaves(grads),
-                              strict=True):
-    np.testing.assert_allclose(g, g_ref, atol=1e-4, rtol=1e-4,
-                               err_msg=jax.tree_util.keystr(path))
+  for (path, g_ref), g in zip(
+      jax.tree.leaves_with_path(expected_grads), jax.tree.leaves(grads), strict=True
+  ):
+    np.testing.assert_allclose(g, g_ref, atol=1e-4, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
 
 
 def test_collaborative_reaches_the_kernel_as_one_shared_key(make_params, monkeypatch):
@@ -158,22 +193,31 @@ def test_collaborative_reaches_the_kernel_as_one_shared_key(make_params, monkeyp
   def spy(query, key, value, **kwargs):
     seen.append((query.shape, key.shape, value.shape, kwargs['key_bias'].shape))
     return real(query, key, value, **kwargs)
+
   monkeypatch.setattr(pallas_gpu, 'flash_attention', spy)
   spec = A.AttentionSpec(num_heads=H, in_features=8, kind='collaborative', key_dim=6)
-  A.multi_head_attention(make_params(spec), jnp.ones((1, 5, 8)), spec=spec,
-                         implementation='pallas', platform='gpu')
+  A.multi_head_attention(
+      make_params(spec), jnp.ones((1, 5, 8)), spec=spec, implementation='pallas', platform='gpu'
+  )
   assert seen == [((1, 5, H, 6), (1, 5, 1, 6), (1, 5, H, 4), (1, H, 5))]
 
 
 def test_pallas_refuses_what_it_cannot_compute(make_params):
   spec = A.AttentionSpec(num_heads=H, in_features=8)
-  call = functools.partial(A.multi_head_attention, make_params(spec), jnp.ones((1, 5, 8)),
-                           spec=spec, implementation='pallas')
-  with pytest.raises(ValueError, match="implementation='pallas' needs a GPU backend, but this "
-                                       "one is 'cpu'"):
+  call = functools.partial(
+      A.multi_head_attention,
+      make_params(spec),
+      jnp.ones((1, 5, 8)),
+      spec=spec,
+      implementation='pallas',
+  )
+  with pytest.raises(
+      ValueError, match="implementation='pallas' needs a GPU backend, but this " "one is 'cpu'"
+  ):
     call()
-  with pytest.raises(ValueError, match=r'a boolean mask \(pallas takes is_causal, and '
-                                       'segment_ids'):
+  with pytest.raises(
+      ValueError, match=r'a boolean mask \(pallas takes is_causal, and ' 'segment_ids'
+  ):
     call(mask=jnp.ones((5, 5), bool), platform='gpu')
   talking = A.AttentionSpec(num_heads=H, in_features=8, kind='talking_heads')
   with pytest.raises(ValueError, match="does not support kind='talking_heads'"):
@@ -184,10 +228,16 @@ def test_pallas_refuses_what_it_cannot_compute(make_params):
 # ------------------------------------------------------------------ cuDNN for collaborative
 
 
-@pytest.mark.parametrize('version, capability, accepted', [
-    (91000, '9.0', True), (91100, '10.0', True),
-    (90900, '9.0', False), (91000, '8.9', False), (None, None, False),
-])
+@pytest.mark.parametrize(
+    'version, capability, accepted',
+    [
+        (91000, '9.0', True),
+        (91100, '10.0', True),
+        (90900, '9.0', False),
+        (91000, '8.9', False),
+        (None, None, False),
+    ],
+)
 def test_cudnn_value_width_rule(version, capability, accepted):
   """jax's rule (cuDNN >= 9.10 on compute capability >= 9.0); None: this machine's GPU,
   here none."""
@@ -204,8 +254,11 @@ def test_cudnn_accepts_collaborative_up_to_its_widest_head():
   ok = A.AttentionSpec(num_heads=4, in_features=512, kind='collaborative', key_dim=128)
   dispatch.check_implementation('cudnn', ok, dtype=jnp.bfloat16, platform='gpu')
   wide = A.AttentionSpec(num_heads=4, in_features=512, kind='collaborative', key_dim=256)
-  with pytest.raises(ValueError, match=r'head widths above 256 \(collaborative key_dim=256 \+ '
-                                       r'4 content-bias columns and head_dim=128 give 264\)'):
+  with pytest.raises(
+      ValueError,
+      match=r'head widths above 256 \(collaborative key_dim=256 \+ '
+      r'4 content-bias columns and head_dim=128 give 264\)',
+  ):
     dispatch.check_implementation('cudnn', wide, dtype=jnp.bfloat16, platform='gpu')
 
 
@@ -228,11 +281,19 @@ def test_cudnn_wrapper_for_collaborative_with_xla_standing_in(make_params, monke
     assert key.shape[-2] == value.shape[-2] and query.shape[-1] % 8 == value.shape[-1] % 8 == 0
     width = max(key.shape[-1], value.shape[-1])
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - x.shape[-1])))
-    out = real(pad(query), pad(key), pad(value), mask=mask, scale=scale, implementation='xla',
-               is_causal=mask_type.name == 'CAUSAL')
-    return out[..., :value.shape[-1]]
+    out = real(
+        pad(query),
+        pad(key),
+        pad(value),
+        mask=mask,
+        scale=scale,
+        implementation='xla',
+        is_causal=mask_type.name == 'CAUSAL',
+    )
+    return out[..., : value.shape[-1]]
 
   from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
   monkeypatch.setattr(jax.nn, 'dot_product_attention', public)
   monkeypatch.setattr(cudnn, 'dot_product_attention', mla_kernel)
   monkeypatch.setattr(fused, 'cudnn_accepts_value_width', lambda: mla)
@@ -241,8 +302,7 @@ def test_cudnn_wrapper_for_collaborative_with_xla_standing_in(make_params, monke
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(2, 7, 16)), jnp.bfloat16)
   mask = jnp.asarray(rng.random((2, 1, 7, 7)) < 0.7).at[1, :, 3].set(False)
-  call = functools.partial(A.multi_head_attention, params, x, spec=spec, mask=mask,
-                           is_causal=True)
+  call = functools.partial(A.multi_head_attention, params, x, spec=spec, mask=mask, is_causal=True)
   out = call(implementation='cudnn', platform='gpu').out
   # key 14 + 2 bias columns = 16 wide, values 8: padded to 16 without mla.
   assert calls == ([('mla', 16, 8)] if mla else [('public', 16, 16)]), calls

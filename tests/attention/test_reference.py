@@ -20,28 +20,58 @@ BATCH, Q_LEN, KV_LEN = 2, 5, 7
 CASES = {
     'concat': dict(kind='concat', num_heads=3, in_features=12),
     'fixed_head': dict(kind='fixed_head', num_heads=3, in_features=12, head_dim=5),
-    'fixed_head_cross': dict(kind='fixed_head', num_heads=3, in_features=12, head_dim=5,
-                             in_kv_features=10, out_features=9),
+    'fixed_head_cross': dict(
+        kind='fixed_head',
+        num_heads=3,
+        in_features=12,
+        head_dim=5,
+        in_kv_features=10,
+        out_features=9,
+    ),
     'collaborative': dict(kind='collaborative', num_heads=3, in_features=12, key_dim=7),
-    'collaborative_cross': dict(kind='collaborative', num_heads=3, in_features=12, key_dim=7,
-                                in_kv_features=10, out_features=9, head_dim=5),
-    'collaborative_no_bias': dict(kind='collaborative', num_heads=3, in_features=12, key_dim=7,
-                                  use_bias=False),
+    'collaborative_cross': dict(
+        kind='collaborative',
+        num_heads=3,
+        in_features=12,
+        key_dim=7,
+        in_kv_features=10,
+        out_features=9,
+        head_dim=5,
+    ),
+    'collaborative_no_bias': dict(
+        kind='collaborative', num_heads=3, in_features=12, key_dim=7, use_bias=False
+    ),
     'talking_heads': dict(kind='talking_heads', num_heads=4, in_features=12),
-    'talking_heads_cross': dict(kind='talking_heads', num_heads=4, in_features=12, head_dim=5,
-                                in_kv_features=10, out_features=9),
+    'talking_heads_cross': dict(
+        kind='talking_heads',
+        num_heads=4,
+        in_features=12,
+        head_dim=5,
+        in_kv_features=10,
+        out_features=9,
+    ),
     'grouped_query': dict(kind='concat', num_heads=4, in_features=12, num_kv_heads=2),
-    'grouped_query_fixed_head': dict(kind='fixed_head', num_heads=6, in_features=12,
-                                     head_dim=5, num_kv_heads=2, in_kv_features=10),
-    'normalize_qk': dict(kind='fixed_head', num_heads=3, in_features=12, head_dim=5,
-                         normalize_qk=True),
+    'grouped_query_fixed_head': dict(
+        kind='fixed_head',
+        num_heads=6,
+        in_features=12,
+        head_dim=5,
+        num_kv_heads=2,
+        in_kv_features=10,
+    ),
+    'normalize_qk': dict(
+        kind='fixed_head', num_heads=3, in_features=12, head_dim=5, normalize_qk=True
+    ),
     'gated_concat': dict(kind='concat', num_heads=3, in_features=12, gated=True),
-    'gated_fixed_head': dict(kind='fixed_head', num_heads=3, in_features=12, head_dim=5,
-                             gated=True),
-    'gated_collaborative': dict(kind='collaborative', num_heads=3, in_features=12, key_dim=7,
-                                gated=True),
-    'gated_talking_heads': dict(kind='talking_heads', num_heads=4, in_features=12, gated=True,
-                                in_kv_features=10),
+    'gated_fixed_head': dict(
+        kind='fixed_head', num_heads=3, in_features=12, head_dim=5, gated=True
+    ),
+    'gated_collaborative': dict(
+        kind='collaborative', num_heads=3, in_features=12, key_dim=7, gated=True
+    ),
+    'gated_talking_heads': dict(
+        kind='talking_heads', num_heads=4, in_features=12, gated=True, in_kv_features=10
+    ),
 }
 
 
@@ -72,7 +102,8 @@ def make_case(name, make_params, seed=0):
   if is_cross(settings):
     kv_len = KV_LEN
     y = rng.standard_normal(
-        (BATCH, KV_LEN, settings.get('in_kv_features', settings['in_features'])))
+        (BATCH, KV_LEN, settings.get('in_kv_features', settings['in_features']))
+    )
     y = y.astype(np.float32)
   # Per-head masks for talking heads (their mixing moves weight between heads), else shared.
   mask_heads = h if settings['kind'] == 'talking_heads' else 1
@@ -84,17 +115,26 @@ def make_case(name, make_params, seed=0):
 
 
 def reference(numpy_reference, settings, params, x, y, mask, head_mask=None):
-  return numpy_reference.attention(params, x, y, kind=settings['kind'], mask=mask,
-                                   head_mask=head_mask,
-                                   normalize_qk=settings.get('normalize_qk', False))
+  return numpy_reference.attention(
+      params,
+      x,
+      y,
+      kind=settings['kind'],
+      mask=mask,
+      head_mask=head_mask,
+      normalize_qk=settings.get('normalize_qk', False),
+  )
 
 
 @pytest.mark.parametrize('name', CASES)
 def test_kernel_equals_the_numpy_formulas(name, make_params, numpy_reference):
   settings, params, x, y, mask = make_case(name, make_params)
   spec = A.AttentionSpec(**settings)
-  result = jax.jit(lambda p, x, y, mask: A.multi_head_attention(
-      p, x, y, spec=spec, mask=mask, return_weights=True))(params, x, y, mask)
+  result = jax.jit(
+      lambda p, x, y, mask: A.multi_head_attention(
+          p, x, y, spec=spec, mask=mask, return_weights=True
+      )
+  )(params, x, y, mask)
   expected_out, expected_weights = reference(numpy_reference, settings, params, x, y, mask)
   assert np.all(np.isfinite(result.out))
   np.testing.assert_allclose(result.weights, expected_weights, atol=1e-5, rtol=1e-5)
@@ -104,8 +144,10 @@ def test_kernel_equals_the_numpy_formulas(name, make_params, numpy_reference):
   assert np.all(np.asarray(result.weights)[hidden] == 0.0)
 
 
-@pytest.mark.parametrize('name', ['fixed_head_cross', 'collaborative_cross',
-                                  'gated_talking_heads', 'grouped_query_fixed_head'])
+@pytest.mark.parametrize(
+    'name',
+    ['fixed_head_cross', 'collaborative_cross', 'gated_talking_heads', 'grouped_query_fixed_head'],
+)
 def test_nnx_layer_equals_the_numpy_formulas(name, make_params, numpy_reference):
   settings, params, x, y, mask = make_case(name, make_params, seed=1)
   layer = lnn.MultiHeadAttention(**settings, deterministic=True, rngs=nnx.Rngs(0))
@@ -114,14 +156,16 @@ def test_nnx_layer_equals_the_numpy_formulas(name, make_params, numpy_reference)
   head_mask = np.random.default_rng(2).uniform(0.2, 1.5, settings['num_heads'])
   head_mask = head_mask.astype(np.float32)
   out, weights = layer(x, y, mask=mask, head_mask=head_mask, return_weights=True)
-  expected_out, expected_weights = reference(numpy_reference, settings, params, x, y, mask,
-                                             head_mask)
+  expected_out, expected_weights = reference(
+      numpy_reference, settings, params, x, y, mask, head_mask
+  )
   np.testing.assert_allclose(weights, expected_weights, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(out, expected_out, atol=1e-5, rtol=1e-5)
 
 
 def test_talking_heads_reference_moves_weight_between_differently_masked_heads(
-    make_params, numpy_reference):
+    make_params, numpy_reference
+):
   """The case is strong enough to matter: without re-masking, the post-softmax mix would put
   much of the weight on keys a head must not see."""
   settings, params, x, y, mask = make_case('talking_heads', make_params)
@@ -150,8 +194,9 @@ SELF_CASES = {
 
 @pytest.mark.parametrize('mask_kind', ['padding', 'boolean', 'int'])
 @pytest.mark.parametrize('name', SELF_CASES)
-def test_cached_decoding_with_a_mask_equals_the_numpy_formulas(name, mask_kind, make_params,
-                                                               numpy_reference):
+def test_cached_decoding_with_a_mask_equals_the_numpy_formulas(
+    name, mask_kind, make_params, numpy_reference
+):
   """One position per step through the cache, with a mask over the cache's keys: a key
   padding mask `[batch, 1, 1, max_length]`, or a per-query boolean (or 0/1 int) one sliced
   to the step's query. The reference: the full pass with that mask AND causality."""
@@ -168,22 +213,25 @@ def test_cached_decoding_with_a_mask_equals_the_numpy_formulas(name, mask_kind, 
     mask[0, :, 2, :] = False  # a query that sees nothing
   full_mask = mask & np.tril(np.ones((Q_LEN, Q_LEN), bool))
   expected, _ = reference(numpy_reference, settings, params, x, None, full_mask)
-  step = jax.jit(lambda cache, x, mask: A.multi_head_attention(
-      params, x, spec=spec, cache=cache, mask=mask))
+  step = jax.jit(
+      lambda cache, x, mask: A.multi_head_attention(params, x, spec=spec, cache=cache, mask=mask)
+  )
   cache = A.init_cache(spec, (BATCH,), Q_LEN)
   outs = []
   for t in range(Q_LEN):
-    step_mask = mask if mask_kind == 'padding' else mask[:, :, t:t + 1]
-    result = step(cache, x[:, t:t + 1], step_mask.astype(np.int32) if mask_kind == 'int'
-                  else step_mask)
+    step_mask = mask if mask_kind == 'padding' else mask[:, :, t : t + 1]
+    result = step(
+        cache, x[:, t : t + 1], step_mask.astype(np.int32) if mask_kind == 'int' else step_mask
+    )
     outs.append(result.out)
     cache = result.cache
   np.testing.assert_allclose(np.concatenate(outs, 1), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize('implementation', ['xla', 'blockwise'])
-def test_segment_ids_hide_padding_keys_from_every_query(implementation, make_params,
-                                                        numpy_reference):
+def test_segment_ids_hide_padding_keys_from_every_query(
+    implementation, make_params, numpy_reference
+):
   """Segment ids against a mask written by hand: a query sees the keys of its own segment,
   and no query sees a padding key (segment 0), padding queries included (they see nothing)."""
   settings = CASES['concat']
@@ -197,10 +245,13 @@ def test_segment_ids_hide_padding_keys_from_every_query(implementation, make_par
       for j in range(Q_LEN):
         visible[b, 0, i, j] = segments[b, i] == segments[b, j] != 0
   expected, _ = reference(numpy_reference, settings, params, x, None, visible)
-  out = jax.jit(lambda p, x, s: A.multi_head_attention(
-      p, x, spec=spec, segment_ids=(s, s), implementation=implementation, block_size=2))(
-          params, x, segments).out
+  out = jax.jit(
+      lambda p, x, s: A.multi_head_attention(
+          p, x, spec=spec, segment_ids=(s, s), implementation=implementation, block_size=2
+      )
+  )(params, x, segments).out
   np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
   # A padding query outputs the output bias alone.
-  np.testing.assert_allclose(np.asarray(out)[segments == 0],
-                             np.broadcast_to(params['out_bias'], (4, 12)), atol=1e-6)
+  np.testing.assert_allclose(
+      np.asarray(out)[segments == 0], np.broadcast_to(params['out_bias'], (4, 12)), atol=1e-6
+  )

@@ -24,8 +24,10 @@ LENGTH = 24  # not a multiple of splash's 128-wide blocks: padded
 def interpret_splash(monkeypatch):
   """Splash in Pallas' interpreter (the calls pass platform='tpu' to be checked as on a TPU)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-  monkeypatch.setattr(splash, 'make_splash_mha',
-                      functools.partial(splash.make_splash_mha, interpret=True))
+
+  monkeypatch.setattr(
+      splash, 'make_splash_mha', functools.partial(splash.make_splash_mha, interpret=True)
+  )
 
 
 def segments():
@@ -42,25 +44,36 @@ def segments():
 
 def inputs(seed=0):
   rng = np.random.default_rng(seed)
-  return (jnp.asarray(rng.normal(size=(2, LENGTH, 8)), jnp.float32),
-          jnp.asarray(rng.normal(size=(2, LENGTH, 8)), jnp.float32))
+  return (
+      jnp.asarray(rng.normal(size=(2, LENGTH, 8)), jnp.float32),
+      jnp.asarray(rng.normal(size=(2, LENGTH, 8)), jnp.float32),
+  )
 
 
-def loss_and_grads(params, x, y, *, spec, implementation, is_causal, mask=None,
-                   segment_ids=None):
+def loss_and_grads(params, x, y, *, spec, implementation, is_causal, mask=None, segment_ids=None):
   def loss(params, x, y):
-    out = A.multi_head_attention(params, x, y, spec=spec, mask=mask, is_causal=is_causal,
-                                 segment_ids=segment_ids, implementation=implementation,
-                                 platform='tpu').out
+    out = A.multi_head_attention(
+        params,
+        x,
+        y,
+        spec=spec,
+        mask=mask,
+        is_causal=is_causal,
+        segment_ids=segment_ids,
+        implementation=implementation,
+        platform='tpu',
+    ).out
     return jnp.sum(jnp.sin(out)), out  # a gradient that differs per output element
+
   return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(params, x, y)
 
 
 @pytest.mark.parametrize('is_causal', [False, True], ids=['full', 'causal'])
 @pytest.mark.parametrize('self_attention', [True, False], ids=['self', 'cross'])
 @pytest.mark.parametrize('kind', list(KINDS))
-def test_splash_segment_ids_match_xla_mask(make_params, interpret_splash, kind, is_causal,
-                                           self_attention):
+def test_splash_segment_ids_match_xla_mask(
+    make_params, interpret_splash, kind, is_causal, self_attention
+):
   spec = A.AttentionSpec(num_heads=2, in_features=8, **KINDS[kind])
   params = make_params(spec)
   x, y = inputs()
@@ -68,10 +81,23 @@ def test_splash_segment_ids_match_xla_mask(make_params, interpret_splash, kind, 
   if self_attention:
     y, kv_ids = x, q_ids
   expected_grads, expected = loss_and_grads(
-      params, x, y, spec=spec, implementation='xla', is_causal=is_causal,
-      mask=A.segment_mask(q_ids, kv_ids))
-  grads, out = loss_and_grads(params, x, y, spec=spec, implementation='splash',
-                              is_causal=is_causal, segment_ids=(q_ids, kv_ids))
+      params,
+      x,
+      y,
+      spec=spec,
+      implementation='xla',
+      is_causal=is_causal,
+      mask=A.segment_mask(q_ids, kv_ids),
+  )
+  grads, out = loss_and_grads(
+      params,
+      x,
+      y,
+      spec=spec,
+      implementation='splash',
+      is_causal=is_causal,
+      segment_ids=(q_ids, kv_ids),
+  )
   np.testing.assert_allclose(out, expected, atol=2e-5, rtol=1e-4)
   for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
     np.testing.assert_allclose(g, g_ref, atol=2e-4, rtol=2e-4)
@@ -83,13 +109,16 @@ def test_queries_that_see_no_key_output_only_the_bias(make_params, interpret_spl
   params = make_params(spec)
   x, y = inputs()
   q_ids, kv_ids = segments()
-  out = A.multi_head_attention(params, x, y, spec=spec, segment_ids=(q_ids, kv_ids),
-                               implementation='splash', platform='tpu').out
+  out = A.multi_head_attention(
+      params, x, y, spec=spec, segment_ids=(q_ids, kv_ids), implementation='splash', platform='tpu'
+  ).out
   sees_none = ~np.any(np.asarray(A.segment_mask(q_ids, kv_ids))[:, 0], axis=-1)
   assert sees_none[0, 18:].all() and sees_none[1, 5:9].all() and sees_none[1, 20:].all()
-  np.testing.assert_allclose(np.asarray(out)[sees_none],
-                             np.broadcast_to(params['out_bias'], (sees_none.sum(), 8)),
-                             atol=1e-6)
+  np.testing.assert_allclose(
+      np.asarray(out)[sees_none],
+      np.broadcast_to(params['out_bias'], (sees_none.sum(), 8)),
+      atol=1e-6,
+  )
 
 
 @pytest.mark.parametrize('is_causal', [False, True], ids=['full', 'causal'])
@@ -100,8 +129,9 @@ def test_sees_any_key_is_the_masks_row_any(is_causal):
   mask = A.segment_mask(q_ids, kv_ids)[:, 0]
   if is_causal:
     mask = mask & A.causal_mask(20)
-  np.testing.assert_array_equal(fused._sees_any_key(q_ids, kv_ids, is_causal),
-                                np.any(mask, axis=-1))
+  np.testing.assert_array_equal(
+      fused._sees_any_key(q_ids, kv_ids, is_causal), np.any(mask, axis=-1)
+  )
 
 
 @pytest.mark.parametrize('implementation', ['blockwise', 'xla'])
@@ -111,11 +141,21 @@ def test_other_implementations_take_segment_ids_as_their_mask(make_params, imple
   x, y = inputs()
   q_ids, kv_ids = segments()
   extra = jnp.asarray(np.random.default_rng(1).random((2, 1, LENGTH, LENGTH)) < 0.8)
-  call = functools.partial(A.multi_head_attention, params, x, y, spec=spec, is_causal=True,
-                           implementation=implementation, block_size=8)
+  call = functools.partial(
+      A.multi_head_attention,
+      params,
+      x,
+      y,
+      spec=spec,
+      is_causal=True,
+      implementation=implementation,
+      block_size=8,
+  )
   np.testing.assert_allclose(
       call(mask=extra, segment_ids=(q_ids, kv_ids)).out,
-      call(mask=extra & A.segment_mask(q_ids, kv_ids), implementation='xla').out, atol=2e-5)
+      call(mask=extra & A.segment_mask(q_ids, kv_ids), implementation='xla').out,
+      atol=2e-5,
+  )
 
 
 def test_splash_still_refuses_a_boolean_mask_and_bad_segment_ids(make_params):
@@ -123,8 +163,9 @@ def test_splash_still_refuses_a_boolean_mask_and_bad_segment_ids(make_params):
   params = make_params(spec)
   x, _ = inputs()
   q_ids, _ = segments()
-  call = functools.partial(A.multi_head_attention, params, x, spec=spec, implementation='splash',
-                           platform='tpu')
+  call = functools.partial(
+      A.multi_head_attention, params, x, spec=spec, implementation='splash', platform='tpu'
+  )
   for extra in (dict(), dict(segment_ids=(q_ids, q_ids))):
     with pytest.raises(ValueError, match=r'a boolean mask .*segment_ids'):
       call(mask=A.segment_mask(q_ids, q_ids), **extra)

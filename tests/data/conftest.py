@@ -13,9 +13,11 @@ def shared_data_dir() -> pathlib.Path:
   """The shared data directory; a wrong one is an error, never a reason to skip."""
   path = pathlib.Path(os.environ.get(data.DATA_DIR_ENV, ''))
   if not (path / 'multi30k').is_dir():
-    pytest.fail(f'${data.DATA_DIR_ENV}={str(path)!r} does not hold the shared data sets '
-                '(multi30k/, ud_english_ewt/, tinyshakespeare/): point it at them.',
-                pytrace=False)
+    pytest.fail(
+        f'${data.DATA_DIR_ENV}={str(path)!r} does not hold the shared data sets '
+        '(multi30k/, ud_english_ewt/, tinyshakespeare/): point it at them.',
+        pytrace=False,
+    )
   return path
 
 
@@ -36,4 +38,5 @@ def workdir(tmp_path_factory) -> str:
 def make_config(tfds_dir):
   def make(**overrides):
     return data.default_data_config(tfds_data_dir=tfds_dir, **overrides)
+
   return make

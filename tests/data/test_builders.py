@@ -231,8 +231,11 @@ def test_official_dataset_prepared_elsewhere_reads_without_tensorflow(tmp_path, 
 def test_unprepared_official_dataset_needs_tensorflow_and_says_so(tmp_path, monkeypatch):
   # As on a machine without TensorFlow, also where it is installed (no lm1b download).
   find_spec = importlib.util.find_spec
-  monkeypatch.setattr(importlib.util, 'find_spec',
-                      lambda name, *a: None if name == 'tensorflow' else find_spec(name, *a))
+  monkeypatch.setattr(
+      importlib.util,
+      'find_spec',
+      lambda name, *a: None if name == 'tensorflow' else find_spec(name, *a),
+  )
   with pytest.raises(ImportError, match=r'tensorflow.*tfds build lm1b --file_format=array_record'):
     data.load_data_source('lm1b', 'test', tfds_data_dir=tmp_path)
   with pytest.raises(ValueError, match=r'neither one of ours'):

@@ -26,8 +26,9 @@ def reference_first_fit(lengths, max_length, num_bins, group):
       def used(b):
         return [sum(lengths[e][key] for e in b) for key in range(len(need))]
 
-      target = next((b for b in open_round
-                     if all(u + x <= max_length for u, x in zip(used(b), need))), None)
+      target = next(
+          (b for b in open_round if all(u + x <= max_length for u, x in zip(used(b), need))), None
+      )
       if target is None:
         rounds.append([[] for _ in range(num_bins)])
         target = rounds[-1][0]
@@ -37,15 +38,17 @@ def reference_first_fit(lengths, max_length, num_bins, group):
   return rows, offsets
 
 
-@pytest.mark.parametrize('num_examples, num_keys, max_length, num_bins, group', [
-    (500, 2, 64, 8, 1024),   # one group
-    (500, 2, 64, 8, 97),     # several groups, the last one short
-    (300, 1, 16, 3, 50),
-    (200, 3, 20, 1, 64),     # one row per round
-    (64, 2, 10, 64, 64),     # more rows than examples fill
-])
-def test_first_fit_matches_a_plain_reference(num_examples, num_keys, max_length, num_bins,
-                                             group):
+@pytest.mark.parametrize(
+    'num_examples, num_keys, max_length, num_bins, group',
+    [
+        (500, 2, 64, 8, 1024),  # one group
+        (500, 2, 64, 8, 97),  # several groups, the last one short
+        (300, 1, 16, 3, 50),
+        (200, 3, 20, 1, 64),  # one row per round
+        (64, 2, 10, 64, 64),  # more rows than examples fill
+    ],
+)
+def test_first_fit_matches_a_plain_reference(num_examples, num_keys, max_length, num_bins, group):
   rng = np.random.default_rng(num_examples + num_keys)
   lengths = rng.integers(1, max_length + 1, (num_examples, num_keys))
   lengths[::7] = max_length  # exactly full rows
@@ -72,14 +75,16 @@ def _encoded(sequences):
   keys = sequences[0].keys()
   return packing.Encoded(
       {k: np.asarray([t for s in sequences for t in s[k]], np.int32) for k in keys},
-      {k: np.concatenate([[0], np.cumsum([len(s[k]) for s in sequences])]) for k in keys})
+      {k: np.concatenate([[0], np.cumsum([len(s[k]) for s in sequences])]) for k in keys},
+  )
 
 
 def test_gather_rows_places_tokens_segments_and_positions():
   rng = np.random.default_rng(0)
   max_length = 12
-  sequences = [{k: list(rng.integers(1, 100, rng.integers(1, 5))) for k in ('a', 'b')}
-               for _ in range(40)]
+  sequences = [
+      {k: list(rng.integers(1, 100, rng.integers(1, 5))) for k in ('a', 'b')} for _ in range(40)
+  ]
   encoded = _encoded(sequences)
   ids = rng.permutation(40)[:30]
   lengths = np.stack([encoded.lengths(k)[ids] for k in ('a', 'b')], 1)
@@ -88,16 +93,17 @@ def test_gather_rows_places_tokens_segments_and_positions():
   ids, rows, offsets = ids[order], rows[order], offsets[order]
   segments = np.array([sum(rows[:i] == rows[i]) + 1 for i in range(len(rows))])
   num_rows = rows.max() + 1
-  out = packing.gather_rows(encoded, ('a', 'b'), ids, rows, offsets, segments, num_rows,
-                            max_length)
+  out = packing.gather_rows(encoded, ('a', 'b'), ids, rows, offsets, segments, num_rows, max_length)
   for column, key in enumerate(('a', 'b')):
-    expected = {name: np.zeros((num_rows, max_length), np.int32)
-                for name in (key, f'{key}_segment_ids', f'{key}_positions')}
+    expected = {
+        name: np.zeros((num_rows, max_length), np.int32)
+        for name in (key, f'{key}_segment_ids', f'{key}_positions')
+    }
     for e, r, o, s in zip(ids, rows, offsets[:, column], segments):
       tokens = sequences[e][key]
-      expected[key][r, o:o + len(tokens)] = tokens
-      expected[f'{key}_segment_ids'][r, o:o + len(tokens)] = s
-      expected[f'{key}_positions'][r, o:o + len(tokens)] = np.arange(len(tokens))
+      expected[key][r, o : o + len(tokens)] = tokens
+      expected[f'{key}_segment_ids'][r, o : o + len(tokens)] = s
+      expected[f'{key}_positions'][r, o : o + len(tokens)] = np.arange(len(tokens))
     for name, value in expected.items():
       np.testing.assert_array_equal(out[name], value, err_msg=name)
       assert out[name].dtype == np.int32

@@ -260,7 +260,11 @@ def test_sentencepiece_vocabulary_is_cached_in_the_workdir_and_reused(pipeline, 
         (dict(max_length=1), {}, r'config.data: max_length=1 must be an int >= 2'),
         (dict(max_len=32), {}, r"config.data has unknown fields \['max_len'\]"),
         (dict(MULTI30K_NMT, vocab_size=200), {}, r'vocab_size=200 is too small for SentencePiece'),
-        (dict(MULTI30K_NMT, max_length=3), {}, r'data.max_length=3: none of the first 256 examples'),
+        (
+            dict(MULTI30K_NMT, max_length=3),
+            {},
+            r'data.max_length=3: none of the first 256 examples',
+        ),
     ],
 )
 def test_invalid_settings_are_named(pipeline, overrides, kwargs, message):
@@ -357,8 +361,14 @@ def test_packed_epochs_hold_every_pair_exactly_once(pipeline, small_windows):
   examples = None
   seen = collections.Counter()
   for process in range(2):
-    p = pipeline(PACKED_NMT, split='test', global_batch_size=32, seed=5, process_index=process,
-                 process_count=2)
+    p = pipeline(
+        PACKED_NMT,
+        split='test',
+        global_batch_size=32,
+        seed=5,
+        process_index=process,
+        process_count=2,
+    )
     examples = examples or p.data_source.__getitems__(range(len(p.data_source)))
     shard = [(e['en'].decode(), e['de'].decode()) for e in examples[process::2]]
     # Every pair of the test split fits max_length (64 tokens a side), so none is dropped.
@@ -456,7 +466,9 @@ def test_text_files_evaluate_exactly_like_the_split_they_hold(pipeline, tmp_path
   en = _write_lines(tmp_path / 'flickr.en', [e['en'].decode() for e in examples])
   de = _write_lines(tmp_path / 'flickr.de.gz', [e['de'].decode() for e in examples])
   (split,) = (
-      data.DataConfig(**MULTI30K_NMT, extra_test_files=f'{en}:{de}').extra_test_splits(num_files=2).values()
+      data.DataConfig(**MULTI30K_NMT, extra_test_files=f'{en}:{de}')
+      .extra_test_splits(num_files=2)
+      .values()
   )
   from_files = pipeline(MULTI30K_NMT, split=split, global_batch_size=64, train=False)
   from_split = pipeline(MULTI30K_NMT, split='test', global_batch_size=64, train=False)

@@ -126,16 +126,20 @@ def test_sentencepiece_first_regular_id_follows_the_reserved_and_byte_pieces():
   piece of text (what masked-LM corruption may draw)."""
   import re
   import numpy as np
+
   rng = np.random.default_rng(0)
   words = [''.join(rng.choice(list('abcdefghij'), rng.integers(2, 7))) for _ in range(60)]
   texts = [' '.join(rng.choice(words, 12)) for _ in range(400)]
   tokenizer = tokenizers.SentencePieceTokenizer.train(texts, vocab_size=320, model_type='bpe')
   processor = tokenizer._processor
   byte = re.compile(r'<0x[0-9A-F]{2}>')
-  special = [processor.is_control(i) or processor.is_unknown(i)
-             or processor.id_to_piece(i) == tokenizers.MASK_TOKEN
-             or (processor.is_byte(i) and byte.fullmatch(processor.id_to_piece(i)))
-             for i in range(tokenizer.vocab_size)]
+  special = [
+      processor.is_control(i)
+      or processor.is_unknown(i)
+      or processor.id_to_piece(i) == tokenizers.MASK_TOKEN
+      or (processor.is_byte(i) and byte.fullmatch(processor.id_to_piece(i)))
+      for i in range(tokenizer.vocab_size)
+  ]
   first = special.index(False)
   assert not any(special[first:])  # the specials come first, all of them
   assert sum(bool(processor.is_byte(i)) for i in range(first)) == 256

@@ -54,8 +54,10 @@ def test_parameter_matched_variant_has_concats_parameter_count(heads):
   variant = next(v for v in sweep.VARIANTS if v.parameter_matched)
   matched = sweep.model_size(bottleneck_config(variant.overrides(heads)), vocab_size=70)
   concat = sweep.model_size(bottleneck_config({sweep.NUM_HEADS: heads}), vocab_size=70)
-  unmatched = sweep.model_size(bottleneck_config(
-      {sweep.NUM_HEADS: heads, sweep.KIND: 'fixed_head', sweep.HEAD_DIM: 64}), vocab_size=70)
+  unmatched = sweep.model_size(
+      bottleneck_config({sweep.NUM_HEADS: heads, sweep.KIND: 'fixed_head', sweep.HEAD_DIM: 64}),
+      vocab_size=70,
+  )
   layers = 2
   rounding = layers * (2 * sweep.EMB_DIM + 1) / 2  # the MLP width is an integer
   assert abs(matched['params'] - concat['params']) <= rounding
@@ -75,16 +77,26 @@ def test_model_size_counts_flops_per_token():
 
 def test_attention_inputs_are_what_the_heads_see():
   """The captured X reproduces every head's logits through the layer's own kernels."""
-  cfg = models.TransformerConfig(vocab_size=20, emb_dim=32, mlp_dim=64, num_decoder_layers=2,
-                                 decoder_attention=AttentionSpec(num_heads=4), max_length=16,
-                                 dropout_rate=0.0)
+  cfg = models.TransformerConfig(
+      vocab_size=20,
+      emb_dim=32,
+      mlp_dim=64,
+      num_decoder_layers=2,
+      decoder_attention=AttentionSpec(num_heads=4),
+      max_length=16,
+      dropout_rate=0.0,
+  )
   model = models.DecoderLM(cfg, rngs=nnx.Rngs(1))
   tokens = jax.random.randint(jax.random.key(0), (3, 16), 5, 20)
   inputs, logits, weights = expressivity.attention_inputs(model, tokens)
   assert len(inputs) == len(logits) == 2
   for layer in range(2):
-    np.testing.assert_allclose(expressivity.recomputed_logits(model, layer, inputs[layer]),
-                               logits[layer], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        expressivity.recomputed_logits(model, layer, inputs[layer]),
+        logits[layer],
+        rtol=1e-4,
+        atol=1e-4,
+    )
     np.testing.assert_allclose(weights[layer].sum(-1), 1.0, rtol=1e-5)
     assert float(jnp.abs(jnp.triu(weights[layer], 1)).max()) == 0.0  # causal
   # Layer 1's input is not layer 0's: the capture runs the layers in between.
@@ -95,13 +107,21 @@ def test_attention_inputs_are_what_the_heads_see():
 def test_fits_and_ranks_end_to_end_on_a_small_model(monkeypatch):
   """The script's wiring at n = 4: every problem kind, both starts, ranks <= d."""
   monkeypatch.setattr(expressivity, 'head_dims', lambda n: [1, n])  # fewer compilations
-  cfg = models.TransformerConfig(vocab_size=20, emb_dim=expressivity.RANDOM_DIM, mlp_dim=16,
-                                 num_decoder_layers=2, positions='sinusoidal', max_length=8,
-                                 decoder_attention=AttentionSpec(num_heads=64), dropout_rate=0.0)
+  cfg = models.TransformerConfig(
+      vocab_size=20,
+      emb_dim=expressivity.RANDOM_DIM,
+      mlp_dim=16,
+      num_decoder_layers=2,
+      positions='sinusoidal',
+      max_length=8,
+      decoder_attention=AttentionSpec(num_heads=64),
+      dropout_rate=0.0,
+  )
   model = models.DecoderLM(cfg, rngs=nnx.Rngs(2))  # heads of d = 4
   windows = np.asarray(jax.random.randint(jax.random.key(3), (2, 8), 5, 20))
-  rows = expressivity.run_fits(model, windows, seeds=1, steps=200, lengths=[4],
-                               rng=np.random.default_rng(0))
+  rows = expressivity.run_fits(
+      model, windows, seeds=1, steps=200, lengths=[4], rng=np.random.default_rng(0)
+  )
   assert len(rows) == 3 * 2
   for row in rows:
     assert row['fitted_rank'] <= row['d']

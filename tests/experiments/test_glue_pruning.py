@@ -21,15 +21,29 @@ V, D, H, LAYERS, LENGTH = 30, 16, 4, 2, 8
 
 def classifier(num_outputs: int):
   spec = models.AttentionSpec(num_heads=H)
-  cfg = models.TransformerConfig(vocab_size=V, emb_dim=D, mlp_dim=32, num_encoder_layers=LAYERS,
-                                 num_decoder_layers=0, encoder_attention=spec, max_length=16,
-                                 dropout_rate=0.0, type_vocab_size=2, norm='post')
-  model = glue.SentenceClassifier(cfg, num_outputs=num_outputs, pooling='mean',
-                                  classifier_dropout=0.0, rngs=nnx.Rngs(0))
+  cfg = models.TransformerConfig(
+      vocab_size=V,
+      emb_dim=D,
+      mlp_dim=32,
+      num_encoder_layers=LAYERS,
+      num_decoder_layers=0,
+      encoder_attention=spec,
+      max_length=16,
+      dropout_rate=0.0,
+      type_vocab_size=2,
+      norm='post',
+  )
+  model = glue.SentenceClassifier(
+      cfg, num_outputs=num_outputs, pooling='mean', classifier_dropout=0.0, rngs=nnx.Rngs(0)
+  )
   rng = np.random.default_rng(1)  # every weight random: no head is trivially silent
-  nnx.update(model, jax.tree.map(
-      lambda x: x + 0.5 * jnp.asarray(rng.standard_normal(x.shape), x.dtype),
-      nnx.state(model, nnx.Param)))
+  nnx.update(
+      model,
+      jax.tree.map(
+          lambda x: x + 0.5 * jnp.asarray(rng.standard_normal(x.shape), x.dtype),
+          nnx.state(model, nnx.Param),
+      ),
+  )
   return model
 
 
@@ -42,13 +56,20 @@ def glue_batches(num_outputs: int, rows=(4, 4), real=(4, 2), seed=0):
     inputs = rng.integers(3, V, (n, LENGTH)).astype(np.int32)
     inputs[np.arange(LENGTH)[None, :] >= lengths[:, None]] = 0
     segment_ids = (inputs != 0).astype(np.int32)
-    batches.append({
-        'inputs': inputs, 'segment_ids': segment_ids,
-        'positions': np.where(segment_ids > 0, np.arange(LENGTH)[None, :], 0).astype(np.int32),
-        'token_types': ((np.arange(LENGTH)[None, :] >= 2) * segment_ids).astype(np.int32),
-        'targets': (rng.random(n).astype(np.float32) * 5 if num_outputs == 1
-                    else rng.integers(0, num_outputs, n).astype(np.int32)),
-        'weights': (np.arange(n) < m).astype(np.float32)})
+    batches.append(
+        {
+            'inputs': inputs,
+            'segment_ids': segment_ids,
+            'positions': np.where(segment_ids > 0, np.arange(LENGTH)[None, :], 0).astype(np.int32),
+            'token_types': ((np.arange(LENGTH)[None, :] >= 2) * segment_ids).astype(np.int32),
+            'targets': (
+                rng.random(n).astype(np.float32) * 5
+                if num_outputs == 1
+                else rng.integers(0, num_outputs, n).astype(np.int32)
+            ),
+            'weights': (np.arange(n) < m).astype(np.float32),
+        }
+    )
   return batches
 
 
@@ -61,8 +82,9 @@ def test_masked_predictions_equal_the_pruned_models(num_outputs):
   pruned, pruned_labels = gp.dev_predictions(prune_heads(model, {'encoder': keep}), batches)
   full, _ = gp.dev_predictions(model, batches)
   assert len(masked) == 6  # padding rows left out
-  np.testing.assert_array_equal(labels, np.concatenate([b['targets'][:m]
-                                                        for b, m in zip(batches, (4, 2))]))
+  np.testing.assert_array_equal(
+      labels, np.concatenate([b['targets'][:m] for b, m in zip(batches, (4, 2))])
+  )
   np.testing.assert_array_equal(pruned_labels, labels)
   if num_outputs == 1:
     np.testing.assert_allclose(masked, pruned, atol=1e-5)
@@ -85,8 +107,7 @@ def test_levels_remove_round_tenths_of_the_heads_in_increasing_importance():
 
 
 def test_random_orders_are_seeded_and_keep_the_count():
-  draws = [gp.level_keeps(gp.random_order(seed, (6, 12)), gp.LEVELS, (6, 12))
-           for seed in (0, 0, 1)]
+  draws = [gp.level_keeps(gp.random_order(seed, (6, 12)), gp.LEVELS, (6, 12)) for seed in (0, 0, 1)]
   for a, b in zip(draws[0], draws[1]):
     np.testing.assert_array_equal(a, b)
   assert any((a != b).any() for a, b in zip(draws[0], draws[2]))
@@ -103,8 +124,14 @@ def test_the_importance_draw_counts_exactly_the_examples_asked_for():
 
 
 def test_role_shares_count_the_survivors_with_roles():
-  roles = {(0, 0): ['positional (prev)'], (0, 1): ['syntactic (nsubj ->)', 'rare'],
-           (1, 0): [], (1, 1): ['rare'], (2, 0): [], (2, 1): []}
+  roles = {
+      (0, 0): ['positional (prev)'],
+      (0, 1): ['syntactic (nsubj ->)', 'rare'],
+      (1, 0): [],
+      (1, 1): ['rare'],
+      (2, 0): [],
+      (2, 1): [],
+  }
   keep = np.array([[1, 0], [1, 1], [0, 0]], bool)
   shares = gp.role_shares(keep, roles)
   assert shares['kept'] == 3

@@ -28,11 +28,11 @@ def count(path):
 
 def grid_in_subprocess(runs, out_dir, runs_dir, wait=True):
   """`run_grid` in its own process, so that a test can kill it (or a run can kill it)."""
-  code = textwrap.dedent(f'''
+  code = textwrap.dedent(f"""
       from experiments.runner import Run, run_grid
       runs = [Run(name, command) for name, command in {runs!r}]
       run_grid(runs, {str(out_dir)!r}, runs_dir={str(runs_dir)!r}, stop_timeout_s=10)
-  ''')
+  """)
   env = {**os.environ, 'PYTHONPATH': str(REPO_ROOT)}
   args = dict(cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   if not wait:
@@ -55,14 +55,14 @@ def test_killed_grid_resumes_without_repeating_finished_runs(tmp_path):
   out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
   first, second = tmp_path / 'first.count', tmp_path / 'second.count'
   # The second run kills the grid (like a lost session) on its first attempt only.
-  kill_grid_once = py(f'''
+  kill_grid_once = py(f"""
       import os, signal
       path = {str(second)!r}
       attempt = len(open(path).read()) + 1 if os.path.exists(path) else 1
       open(path, 'a').write('x')
       if attempt == 1:
         os.kill(os.getppid(), signal.SIGKILL)
-  ''')
+  """)
   runs = [('first', count(first)), ('second', kill_grid_once)]
 
   killed = grid_in_subprocess(runs, out, runs_dir)
@@ -86,7 +86,7 @@ def test_sigterm_reaches_the_running_command_and_rerun_resumes_it(tmp_path):
   first, second = tmp_path / 'first.count', tmp_path / 'second.count'
   ready, saved = tmp_path / 'ready', tmp_path / 'saved'
   # Like our training CLI: on SIGTERM, save a checkpoint and exit 143.
-  slow_once = py(f'''
+  slow_once = py(f"""
       import os, signal, sys, time
       path = {str(second)!r}
       attempt = len(open(path).read()) + 1 if os.path.exists(path) else 1
@@ -98,7 +98,7 @@ def test_sigterm_reaches_the_running_command_and_rerun_resumes_it(tmp_path):
         signal.signal(signal.SIGTERM, save)
         open({str(ready)!r}, 'w').close()
         time.sleep(30)
-  ''')
+  """)
   runs = [('first', count(first)), ('second', slow_once)]
 
   grid = grid_in_subprocess(runs, out, runs_dir, wait=False)
@@ -126,7 +126,7 @@ def test_rerun_waits_for_a_command_that_outlived_its_killed_grid(tmp_path):
   events, ready = tmp_path / 'events', tmp_path / 'ready'
   # First attempt: when told to stop (the kernel's SIGTERM once the grid is gone), it takes a
   # while to save before it exits. Its rerun must not start in the same directory meanwhile.
-  run = py(f'''
+  run = py(f"""
       import os, signal, sys, time
       path = {str(events)!r}
       attempt = open(path).read().count('start') + 1 if os.path.exists(path) else 1
@@ -140,7 +140,7 @@ def test_rerun_waits_for_a_command_that_outlived_its_killed_grid(tmp_path):
         open({str(ready)!r}, 'w').close()
         time.sleep(10)
       open(path, 'a').write(f'end{{attempt}} ')
-  ''')
+  """)
   grid = grid_in_subprocess([('only', run)], out, runs_dir, wait=False)
   wait_for(ready)
   grid.kill()
@@ -154,15 +154,18 @@ def test_rerun_waits_for_a_command_that_outlived_its_killed_grid(tmp_path):
 def test_failed_run_is_reported_and_the_others_still_run(tmp_path, capsys):
   out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
   counts = {name: tmp_path / f'{name}.count' for name in ('ok1', 'ok2')}
-  bad = py('''
+  bad = py("""
       import sys
       print('loading data')
       print('boom: out of memory', file=sys.stderr)
       sys.exit(3)
-  ''')
-  runs = [runner.Run('ok1', count(counts['ok1'])), runner.Run('bad', bad),
-          runner.Run('missing', [str(tmp_path / 'no-such-program')]),
-          runner.Run('ok2', count(counts['ok2']))]
+  """)
+  runs = [
+      runner.Run('ok1', count(counts['ok1'])),
+      runner.Run('bad', bad),
+      runner.Run('missing', [str(tmp_path / 'no-such-program')]),
+      runner.Run('ok2', count(counts['ok2'])),
+  ]
 
   with pytest.raises(SystemExit) as exit_info:
     runner.run_grid(runs, out, runs_dir=runs_dir)
@@ -186,7 +189,7 @@ def test_failed_run_is_reported_and_the_others_still_run(tmp_path, capsys):
   assert '| bad | failed | 2 |  | 3 |' in table and '| ok1 | done | 1 |' in table
 
 
-RECORDING_RUN = '''
+RECORDING_RUN = """
     import json, pathlib, sys
     rundir, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
     # What results.json held while this run was going: the runs finished before it.
@@ -199,19 +202,24 @@ RECORDING_RUN = '''
              {'step': 2, 'split': 'eval', 'loss': 2.2}]
     with open(rundir / 'metrics.jsonl', 'w') as f:
       f.write(''.join(json.dumps(line) + '\\n' for line in lines) + '{"step": 3, "spl')
-'''
+"""
 
 
 def test_results_collected_after_each_run_and_from_done_files(tmp_path):
   out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
-  runs = [runner.Run(f'r{k}', py(RECORDING_RUN, '{rundir}', str(out)), config={'lr': k / 10},
-                     seed=k) for k in range(3)]
+  runs = [
+      runner.Run(f'r{k}', py(RECORDING_RUN, '{rundir}', str(out)), config={'lr': k / 10}, seed=k)
+      for k in range(3)
+  ]
   results = runner.run_grid(runs, out, runs_dir=runs_dir)
 
   assert [run['result']['seen'] for run in results['runs']] == [[], ['r0'], ['r0', 'r1']]
   first = results['runs'][0]
   assert [(m['split'], m['step'], m['loss']) for m in first['metrics']] == [
-      ('eval', 2, 2.2), ('train', 1, 3.0), ('train', 2, 2.0)]
+      ('eval', 2, 2.2),
+      ('train', 1, 3.0),
+      ('train', 2, 2.0),
+  ]
   assert (first['seed'], first['config'], first['attempts']) == (0, {'lr': 0.0}, 1)
   assert first['command'][-2:] == ['{rundir}', str(out)]  # the template, not the path
   assert first['wall_time_s'] > 0
@@ -219,10 +227,15 @@ def test_results_collected_after_each_run_and_from_done_files(tmp_path):
   summary = runner.runs_summary(results)
   assert re.match(r'3 runs, \d+ s of run time in all \(longest \d+ s\), on ', summary)
   assert f"jax {first['machine']['jax']}" in summary and summary.count(' on ') == 1
-  partial = {**results, 'runs': results['runs'][:1], 'unfinished': ['r2'],
-             'failed': [{'name': 'r1', 'why': 'exit 1'}]}
+  partial = {
+      **results,
+      'runs': results['runs'][:1],
+      'unfinished': ['r2'],
+      'failed': [{'name': 'r1', 'why': 'exit 1'}],
+  }
   assert runner.runs_summary(partial).startswith(
-      '1 of 3 runs finished (failed: r1; still to run: r2), ')
+      '1 of 3 runs finished (failed: r1; still to run: r2), '
+  )
   assert runner.load_results(out) == results
 
   # The work tree wiped, the run directories kept: results.json comes back, nothing reruns.
@@ -232,9 +245,16 @@ def test_results_collected_after_each_run_and_from_done_files(tmp_path):
   assert {p: p.stat().st_mtime_ns for p in runs_dir.glob('*/result.json')} == before
 
   # A new collector for finished runs, without running them.
-  custom = [runner.Run(r.name, r.command, r.config, r.seed,
-                       collect=lambda d: {'final_loss': runner.read_metrics(d)[-1]['loss']})
-            for r in runs]
+  custom = [
+      runner.Run(
+          r.name,
+          r.command,
+          r.config,
+          r.seed,
+          collect=lambda d: {'final_loss': runner.read_metrics(d)[-1]['loss']},
+      )
+      for r in runs
+  ]
   refreshed = runner.run_grid(custom, out, runs_dir=runs_dir, refresh=True)
   assert [run['final_loss'] for run in refreshed['runs']] == [2.0, 2.0, 2.0]
   assert 'metrics' not in refreshed['runs'][0] and refreshed['runs'][0]['seed'] == 0
@@ -250,42 +270,89 @@ def test_runs_and_train_run_validate(tmp_path):
     runner.Run('a', ['true'], config={'f': object()})
   with pytest.raises(ValueError, match="repeated: \\['a'\\]"):
     runner.run_grid([runner.Run('a', ['true'])] * 2, tmp_path)
-  run = runner.train_run('kd32-s1', 'configs/nmt.py:tiny', seed=1,
-                         overrides={'model.encoder.attention.key_dim': 32})
-  assert run.command[1:] == ('-m', 'lowrank_attn.main', '--config=configs/nmt.py:tiny',
-                             '--workdir={rundir}', '--config.seed=1',
-                             '--config.model.encoder.attention.key_dim=32')
+  run = runner.train_run(
+      'kd32-s1', 'configs/nmt.py:tiny', seed=1, overrides={'model.encoder.attention.key_dim': 32}
+  )
+  assert run.command[1:] == (
+      '-m',
+      'lowrank_attn.main',
+      '--config=configs/nmt.py:tiny',
+      '--workdir={rundir}',
+      '--config.seed=1',
+      '--config.model.encoder.attention.key_dim=32',
+  )
   assert run.config == {'config': 'configs/nmt.py:tiny', 'model.encoder.attention.key_dim': 32}
   assert run.seed == 1
 
 
-RESULTS = {'runs': [
-    {'name': f'{kind}-d{dim}-s{seed}', 'seed': seed, 'config': {'kind': kind, 'dim': dim},
-     'wall_time_s': 1.0, 'result': {'params': dim * 10},
-     'metrics': [{'step': step, 'split': 'eval',
-                  'bleu': dim + [0, 1, 5][seed] + step + (kind == 'b')}
-                 for step in (1, 2)]}
-    for kind in ('a', 'b') for dim in (16, 8) for seed in (0, 1, 2)]}
+RESULTS = {
+    'runs': [
+        {
+            'name': f'{kind}-d{dim}-s{seed}',
+            'seed': seed,
+            'config': {'kind': kind, 'dim': dim},
+            'wall_time_s': 1.0,
+            'result': {'params': dim * 10},
+            'metrics': [
+                {
+                    'step': step,
+                    'split': 'eval',
+                    'bleu': dim + [0, 1, 5][seed] + step + (kind == 'b'),
+                }
+                for step in (1, 2)
+            ],
+        }
+        for kind in ('a', 'b')
+        for dim in (16, 8)
+        for seed in (0, 1, 2)
+    ]
+}
 
 
 def test_final_history_aggregate_and_table():
   rows = runner.final(RESULTS, split='eval')
-  assert rows[0] == {'name': 'a-d16-s0', 'seed': 0, 'kind': 'a', 'dim': 16, 'wall_time_s': 1.0,
-                     'params': 160, 'step': 2, 'split': 'eval', 'bleu': 18}
-  seven = pytest.approx(7 ** 0.5)
+  assert rows[0] == {
+      'name': 'a-d16-s0',
+      'seed': 0,
+      'kind': 'a',
+      'dim': 16,
+      'wall_time_s': 1.0,
+      'params': 160,
+      'step': 2,
+      'split': 'eval',
+      'bleu': 18,
+  }
+  seven = pytest.approx(7**0.5)
   assert len(runner.history(RESULTS, 'eval')) == 24
   agg = runner.aggregate(rows, by=['kind', 'dim'], values=['bleu'])
   assert [(r['kind'], r['dim'], r['n']) for r in agg] == [
-      ('a', 16, 3), ('a', 8, 3), ('b', 16, 3), ('b', 8, 3)]
+      ('a', 16, 3),
+      ('a', 8, 3),
+      ('b', 16, 3),
+      ('b', 8, 3),
+  ]
   assert (agg[0]['bleu'], agg[0]['bleu_std'], agg[0]['bleu_min'], agg[0]['bleu_max']) == (
-      20.0, seven, 18.0, 23.0)
-  table = runner.markdown_table(agg[:2], [
-      'kind', ('key dim', 'dim'), ('BLEU', lambda r: f"{r['bleu']:.1f} ± {r['bleu_std']:.1f}"),
-      ('max', 'bleu_max'), ('note', lambda r: None)])
-  assert table == ('| kind | key dim | BLEU | max | note |\n'
-                   '|---|---|---|---|---|\n'
-                   '| a | 16 | 20.0 ± 2.6 | 23 |  |\n'
-                   '| a | 8 | 12.0 ± 2.6 | 15 |  |\n')
+      20.0,
+      seven,
+      18.0,
+      23.0,
+  )
+  table = runner.markdown_table(
+      agg[:2],
+      [
+          'kind',
+          ('key dim', 'dim'),
+          ('BLEU', lambda r: f"{r['bleu']:.1f} ± {r['bleu_std']:.1f}"),
+          ('max', 'bleu_max'),
+          ('note', lambda r: None),
+      ],
+  )
+  assert table == (
+      '| kind | key dim | BLEU | max | note |\n'
+      '|---|---|---|---|---|\n'
+      '| a | 16 | 20.0 ± 2.6 | 23 |  |\n'
+      '| a | 8 | 12.0 ± 2.6 | 15 |  |\n'
+  )
 
 
 def test_plot_lines_draws_mean_and_seed_spread(tmp_path):
@@ -293,12 +360,23 @@ def test_plot_lines_draws_mean_and_seed_spread(tmp_path):
   out = tmp_path / 'plots' / 'bleu.png'
   series = runner.plot_lines(rows, x='dim', y='bleu', group='kind', out=out)
   assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and out.stat().st_size > 5000
-  assert series['kind=a'] == {'x': [8, 16], 'mean': [12.0, 20.0], 'lo': [10.0, 18.0],
-                              'hi': [15.0, 23.0], 'n': [3, 3]}
+  assert series['kind=a'] == {
+      'x': [8, 16],
+      'mean': [12.0, 20.0],
+      'lo': [10.0, 18.0],
+      'hi': [15.0, 23.0],
+      'n': [3, 3],
+  }
   assert series['kind=b']['mean'] == [13.0, 21.0]
-  curves = runner.plot_lines(runner.history(RESULTS, 'eval'), x='step', y='bleu',
-                             group=['kind', 'dim'], spread='std', out=tmp_path / 'curves.pdf')
-  seven = 7 ** 0.5
+  curves = runner.plot_lines(
+      runner.history(RESULTS, 'eval'),
+      x='step',
+      y='bleu',
+      group=['kind', 'dim'],
+      spread='std',
+      out=tmp_path / 'curves.pdf',
+  )
+  seven = 7**0.5
   curve = curves['kind=b, dim=8']
   assert (curve['x'], curve['mean'], curve['n']) == ([1, 2], [12.0, 13.0], [3, 3])
   assert curve['lo'] == pytest.approx([12 - seven, 13 - seven])
@@ -311,7 +389,8 @@ def test_write_section_replaces_only_between_markers(tmp_path):
   readme.write_text('# X\n\n<!-- results -->\nold\n<!-- /results -->\n\nAfter.\n')
   runner.write_section(readme, 'results', '| a |\n|---|\n')
   assert readme.read_text() == (
-      '# X\n\n<!-- results -->\n| a |\n|---|\n<!-- /results -->\n\nAfter.\n')
+      '# X\n\n<!-- results -->\n| a |\n|---|\n<!-- /results -->\n\nAfter.\n'
+  )
   with pytest.raises(ValueError, match='<!-- plots -->'):
     runner.write_section(readme, 'plots', 'x')
 
@@ -319,8 +398,9 @@ def test_write_section_replaces_only_between_markers(tmp_path):
 def test_each_run_records_the_commit_and_the_uncommitted_changes_it_ran(tmp_path):
   checkout = tmp_path / 'checkout'
   checkout.mkdir()
-  git = lambda *args: subprocess.run(['git', '-C', str(checkout), *args], check=True,
-                                     capture_output=True, text=True).stdout.strip()
+  git = lambda *args: subprocess.run(
+      ['git', '-C', str(checkout), *args], check=True, capture_output=True, text=True
+  ).stdout.strip()
   git('init', '-q')
   (checkout / 'model.py').write_text('scale = 1.0\n')
   (checkout / 'notes.txt').write_text('untracked files are not code\n')
@@ -328,15 +408,13 @@ def test_each_run_records_the_commit_and_the_uncommitted_changes_it_ran(tmp_path
   git('-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-q', '-m', 'model')
   commit = git('rev-parse', 'HEAD')
   out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
-  clean = runner.run_grid([runner.Run('clean', py('pass'))], out, runs_dir=runs_dir,
-                          cwd=checkout)
+  clean = runner.run_grid([runner.Run('clean', py('pass'))], out, runs_dir=runs_dir, cwd=checkout)
   assert clean['runs'][0]['code'] == [{'commit': commit, 'modified': []}]
 
   (checkout / 'model.py').write_text('scale = 2.0\n')  # edited while the grid goes on
   (checkout / 'results.json').write_text('{}')  # what grids write is not code
   git('add', 'results.json')
-  edited = runner.run_grid([runner.Run('edited', py('pass'))], out, runs_dir=runs_dir,
-                           cwd=checkout)
+  edited = runner.run_grid([runner.Run('edited', py('pass'))], out, runs_dir=runs_dir, cwd=checkout)
   assert edited['runs'][0]['code'] == [{'commit': commit, 'modified': ['model.py']}]
   attempts = [json.loads(line) for line in (runs_dir / 'edited' / 'attempts.jsonl').open()]
   assert attempts[0]['code']['modified'] == ['model.py']
@@ -359,10 +437,10 @@ def test_committed_results_stand_for_lost_run_directories_and_other_runs_are_kep
       path.unlink()
     rundir.rmdir()
   moved = lambda run: runner.Run(run.name, ['/elsewhere/python', *run.command[1:]])
-  results = runner.run_grid([moved(first[1]), runner.Run('c', count(marks['c']))], out,
-                            runs_dir=runs_dir)
-  assert {name: mark.read_text() for name, mark in marks.items()} == {
-      'a': 'x', 'b': 'x', 'c': 'x'}
+  results = runner.run_grid(
+      [moved(first[1]), runner.Run('c', count(marks['c']))], out, runs_dir=runs_dir
+  )
+  assert {name: mark.read_text() for name, mark in marks.items()} == {'a': 'x', 'b': 'x', 'c': 'x'}
   assert names(results) == ['b', 'c', 'a']  # this grid's runs in order, then the kept one
   assert runner.load_results(out) == results
 

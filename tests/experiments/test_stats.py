@@ -47,11 +47,11 @@ def test_tasks_are_averaged_and_seeds_averaged_within_a_task():
   scores = rng.random(300)  # an STS-B-like regression task whose systems agree
   stsb = (scores, [scores + 0.1 * rng.random(300)], [scores + 0.1 * rng.random(300)])
   b2 = np.where(np.arange(300) < 30, labels, b)
-  interval = stats.glue_difference(
-      {'rte': (labels, [a, a], [b, b2]), 'stsb': stsb}, samples=50)
+  interval = stats.glue_difference({'rte': (labels, [a, a], [b, b2]), 'stsb': stsb}, samples=50)
 
   def stsb_score(p):  # GLUE's STS-B score: the mean of Pearson's and Spearman's x100
     return 50 * (scipy_stats.pearsonr(p, scores)[0] + scipy_stats.spearmanr(p, scores)[0])
+
   expected_rte = (accuracy(b) + accuracy(b2)) / 2 - accuracy(a)
   expected_stsb = stsb_score(stsb[2][0]) - stsb_score(stsb[1][0])
   assert interval.estimate == pytest.approx((expected_rte + expected_stsb) / 2, abs=1e-9)
@@ -69,8 +69,10 @@ def test_bleu_difference_is_sacrebleus_corpus_difference_with_a_paired_interval(
   system_a = [noisy(r, 0.35) for r in references]
   system_b = [noisy(r, 0.25) for r in references]
   interval = stats.bleu_difference(references, system_a, system_b, samples=300)
-  expected = (sacrebleu.corpus_bleu(system_b, [references]).score
-              - sacrebleu.corpus_bleu(system_a, [references]).score)
+  expected = (
+      sacrebleu.corpus_bleu(system_b, [references]).score
+      - sacrebleu.corpus_bleu(system_a, [references]).score
+  )
   assert interval.estimate == pytest.approx(expected, abs=1e-9)
   assert interval.low < expected < interval.high
   same = stats.bleu_difference(references, system_a, system_a, samples=20)

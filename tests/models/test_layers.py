@@ -27,19 +27,27 @@ def test_sinusoidal_positions_are_vaswanis_closed_form(features):
   got = np.asarray(layers.sinusoidal_positions(jnp.asarray(positions), features))
   # float32: the angle pos x 10000^(-2i/d) is off by a few ulp of itself (<= 50 rad), its
   # sine and cosine by that much.
-  np.testing.assert_allclose(got, vaswani(positions, features), rtol=0,
-                             atol=50 * 8 * np.finfo(np.float32).eps)
+  np.testing.assert_allclose(
+      got, vaswani(positions, features), rtol=0, atol=50 * 8 * np.finfo(np.float32).eps
+  )
   # Position 0 is [0..0 | 1..1]; the first pair turns at 1 rad per position.
-  np.testing.assert_array_equal(got[0, 0, :features // 2], 0.0)
-  np.testing.assert_array_equal(got[0, 0, features // 2:2 * (features // 2)], 1.0)
+  np.testing.assert_array_equal(got[0, 0, : features // 2], 0.0)
+  np.testing.assert_array_equal(got[0, 0, features // 2 : 2 * (features // 2)], 1.0)
 
 
 def test_input_embedding_adds_the_sinusoid_of_each_given_position():
-  cfg = models.TransformerConfig(vocab_size=11, emb_dim=6, mlp_dim=8, num_decoder_layers=1,
-                                 decoder_attention=models.AttentionSpec(num_heads=2),
-                                 encoder_attention=models.AttentionSpec(num_heads=2),
-                                 cross_attention=models.AttentionSpec(num_heads=2),
-                                 max_length=16, positions='sinusoidal', dropout_rate=0.0)
+  cfg = models.TransformerConfig(
+      vocab_size=11,
+      emb_dim=6,
+      mlp_dim=8,
+      num_decoder_layers=1,
+      decoder_attention=models.AttentionSpec(num_heads=2),
+      encoder_attention=models.AttentionSpec(num_heads=2),
+      cross_attention=models.AttentionSpec(num_heads=2),
+      max_length=16,
+      positions='sinusoidal',
+      dropout_rate=0.0,
+  )
   tokens_layer = layers.TokenEmbedding(cfg, rngs=nnx.Rngs(0))
   embed = layers.InputEmbedding(cfg, tokens_layer, rngs=nnx.Rngs(0))
   tokens = jnp.asarray([[3, 4, 5, 6, 7], [8, 9, 3, 4, 0]])

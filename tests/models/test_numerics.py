@@ -20,8 +20,15 @@ V, D, LAYERS, L, B = 97, 64, 3, 32, 4
 
 def lm_config(**overrides):
   attention = models.AttentionSpec(num_heads=4, platform=overrides.pop('platform', None))
-  values = dict(vocab_size=V, emb_dim=D, mlp_dim=4 * D, num_decoder_layers=LAYERS,
-                max_length=L, dropout_rate=0.0, decoder_attention=attention)
+  values = dict(
+      vocab_size=V,
+      emb_dim=D,
+      mlp_dim=4 * D,
+      num_decoder_layers=LAYERS,
+      max_length=L,
+      dropout_rate=0.0,
+      decoder_attention=attention,
+  )
   return models.TransformerConfig(**{**values, **overrides})
 
 
@@ -39,14 +46,17 @@ def mean_loss(model, x):
 # ------------------------------------------------------------------ dtype
 
 
-@pytest.mark.parametrize('platform,dtype', [(None, 'float32'), ('cpu', 'float32'),
-                                            ('gpu', 'bfloat16'), ('tpu', 'bfloat16')])
+@pytest.mark.parametrize(
+    'platform,dtype',
+    [(None, 'float32'), ('cpu', 'float32'), ('gpu', 'bfloat16'), ('tpu', 'bfloat16')],
+)
 def test_auto_dtype_is_bfloat16_on_accelerators_and_float32_on_cpu(platform, dtype):
   cfg = lm_config(platform=platform)
   assert cfg.dtype == 'auto' and cfg.resolved_dtype == dtype  # None: this CPU backend
   assert cfg.compute_dtype == jnp.dtype(dtype) and cfg.parameter_dtype == jnp.float32
   assert cfg.describe_numerics().startswith(
-      f'compute {dtype} (dtype=auto on {platform or "cpu"}), parameters float32')
+      f'compute {dtype} (dtype=auto on {platform or "cpu"}), parameters float32'
+  )
   # An explicit dtype wins over the platform.
   assert lm_config(platform=platform, dtype='float32').compute_dtype == jnp.float32
 
@@ -57,11 +67,13 @@ def test_dtype_and_remat_are_config_fields_with_checked_values():
   config.model.dtype, config.model.remat = 'float32', 'dots_saveable'  # --config.model.*=
   cfg = train_config.model_config(config, vocab_size=V)
   assert (cfg.compute_dtype, cfg.remat) == (jnp.float32, 'dots_saveable')
-  with pytest.raises(ValueError, match=r"dtype='float16' is not one of \('auto', 'float32', "
-                                       r"'bfloat16'\)"):
+  with pytest.raises(
+      ValueError, match=r"dtype='float16' is not one of \('auto', 'float32', " r"'bfloat16'\)"
+  ):
     lm_config(dtype='float16')
-  with pytest.raises(ValueError, match=r"remat='dots' is not one of \('none', 'full', .*"
-                                       r"'dots_saveable'.*\)\.$"):
+  with pytest.raises(
+      ValueError, match=r"remat='dots' is not one of \('none', 'full', .*" r"'dots_saveable'.*\)\.$"
+  ):
     lm_config(remat='dots')
   # Every name but 'none'/'full' is a jax policy; factories of policies are not names.
   for name in config_lib.REMAT_POLICIES[2:]:
@@ -80,12 +92,14 @@ def test_bfloat16_keeps_parameters_logits_and_loss_float32():
   # The logits are the bfloat16 final activations times the bfloat16 embedding, accumulated
   # and kept in float32: within float32 summation error (D * 2^-24 of sum |h_i w_i|) of the
   # exact product, not rounded to bfloat16 (2^-9 of each logit).
-  hidden, _ = model.decoder(x, jnp.broadcast_to(jnp.arange(L), x.shape),
-                            segment_ids=(jnp.ones_like(x),) * 2)
+  hidden, _ = model.decoder(
+      x, jnp.broadcast_to(jnp.arange(L), x.shape), segment_ids=(jnp.ones_like(x),) * 2
+  )
   assert hidden.dtype == jnp.bfloat16
   h = np.asarray(hidden.astype(jnp.float32), np.float64)
-  w = np.asarray(model.tokens.embed.embedding[...].astype(jnp.bfloat16).astype(jnp.float32),
-                 np.float64)
+  w = np.asarray(
+      model.tokens.embed.embedding[...].astype(jnp.bfloat16).astype(jnp.float32), np.float64
+  )
   exact, scale = h @ w.T, np.abs(h) @ np.abs(w).T
   assert np.all(np.abs(np.asarray(logits, np.float64) - exact) <= D * 2.0**-24 * scale)
   loss, grads = nnx.value_and_grad(mean_loss)(model, x)

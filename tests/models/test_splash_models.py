@@ -23,13 +23,22 @@ LENGTH = 20  # padded to splash's 128-wide blocks inside the kernel call
 def config(implementation, kind='concat'):
   options = dict(key_dim=8) if kind == 'collaborative' else {}
   # platform='tpu': splash is checked as on a TPU (and runs in Pallas' interpreter here).
-  attention = models.AttentionSpec(num_heads=2, kind=kind, implementation=implementation,
-                                   platform='tpu', **options)
+  attention = models.AttentionSpec(
+      num_heads=2, kind=kind, implementation=implementation, platform='tpu', **options
+  )
   return models.TransformerConfig(
-      vocab_size=V, emb_dim=16, mlp_dim=32, num_encoder_layers=1, num_decoder_layers=1,
-      encoder_attention=attention, decoder_attention=attention, cross_attention=attention,
-      max_length=LENGTH, dropout_rate=0.0,
-      dtype='float32')  # not 'auto', which platform='tpu' would make bfloat16: compare kernels
+      vocab_size=V,
+      emb_dim=16,
+      mlp_dim=32,
+      num_encoder_layers=1,
+      num_decoder_layers=1,
+      encoder_attention=attention,
+      decoder_attention=attention,
+      cross_attention=attention,
+      max_length=LENGTH,
+      dropout_rate=0.0,
+      dtype='float32',
+  )  # not 'auto', which platform='tpu' would make bfloat16: compare kernels
 
 
 def packed(lengths_per_row, seed):
@@ -41,9 +50,9 @@ def packed(lengths_per_row, seed):
   for row, lengths in enumerate(lengths_per_row):
     start = 0
     for segment, length in enumerate(lengths, start=1):
-      tokens[row, start:start + length] = rng.randint(3, V, length)
-      segments[row, start:start + length] = segment
-      positions[row, start:start + length] = np.arange(length)
+      tokens[row, start : start + length] = rng.randint(3, V, length)
+      segments[row, start : start + length] = segment
+      positions[row, start : start + length] = np.arange(length)
       start += length
   return jnp.asarray(tokens), jnp.asarray(segments), jnp.asarray(positions)
 
@@ -57,8 +66,14 @@ TARGET = packed([[7, 5], [5, 4, 6]], seed=1)
 def loss_fn(model, kind):
   if kind == 'nmt':
     (inputs, in_seg, in_pos), (targets, tg_seg, tg_pos) = SOURCE, TARGET
-    logits, _ = model(inputs, targets, inputs_segment_ids=in_seg, targets_segment_ids=tg_seg,
-                      inputs_positions=in_pos, targets_positions=tg_pos)
+    logits, _ = model(
+        inputs,
+        targets,
+        inputs_segment_ids=in_seg,
+        targets_segment_ids=tg_seg,
+        inputs_positions=in_pos,
+        targets_positions=tg_pos,
+    )
   else:
     targets, segments, positions = TARGET
     logits, _ = model(targets, segment_ids=segments, positions=positions)
@@ -76,14 +91,21 @@ def build(kind, cfg):
 
 
 # nmt (three attention types in the interpreter, 30-75 s each on 2 cores) runs in `make test-all`.
-@pytest.mark.parametrize('kind,attention_kind', [
-    pytest.param('nmt', 'concat', marks=pytest.mark.slow),
-    pytest.param('nmt', 'collaborative', marks=pytest.mark.slow),
-    ('lm', 'concat'), ('mlm', 'concat')])
+@pytest.mark.parametrize(
+    'kind,attention_kind',
+    [
+        pytest.param('nmt', 'concat', marks=pytest.mark.slow),
+        pytest.param('nmt', 'collaborative', marks=pytest.mark.slow),
+        ('lm', 'concat'),
+        ('mlm', 'concat'),
+    ],
+)
 def test_splash_model_matches_xla(monkeypatch, kind, attention_kind):
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-  monkeypatch.setattr(splash, 'make_splash_mha',
-                      functools.partial(splash.make_splash_mha, interpret=True))
+
+  monkeypatch.setattr(
+      splash, 'make_splash_mha', functools.partial(splash.make_splash_mha, interpret=True)
+  )
   model = build(kind, config('xla', attention_kind))
   expected, expected_grads = nnx.value_and_grad(loss_fn)(model, kind)
   # The same parameters, only the attention implementation changed.
@@ -99,13 +121,19 @@ def test_packed_pairs_translate_as_if_alone():
   packed pair's logits are those of the pair alone in a row."""
   model = build('nmt', config('xla'))
   (inputs, in_seg, in_pos), (targets, tg_seg, tg_pos) = SOURCE, TARGET
-  packed_logits, _ = model(inputs, targets, inputs_segment_ids=in_seg,
-                           targets_segment_ids=tg_seg, inputs_positions=in_pos,
-                           targets_positions=tg_pos)
+  packed_logits, _ = model(
+      inputs,
+      targets,
+      inputs_segment_ids=in_seg,
+      targets_segment_ids=tg_seg,
+      inputs_positions=in_pos,
+      targets_positions=tg_pos,
+  )
   alone = lambda tokens: jnp.pad(tokens, (0, LENGTH - len(tokens)))[None]
   for segment in (1, 2):
     source = inputs[0][in_seg[0] == segment]
     target = targets[0][tg_seg[0] == segment]
     logits, _ = model(alone(source), alone(target))
-    np.testing.assert_allclose(packed_logits[0][tg_seg[0] == segment],
-                               logits[0, :len(target)], atol=1e-5)
+    np.testing.assert_allclose(
+        packed_logits[0][tg_seg[0] == segment], logits[0, : len(target)], atol=1e-5
+    )

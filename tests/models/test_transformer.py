@@ -13,9 +13,18 @@ V = 40
 
 def cfg(**overrides):
   attention = models.AttentionSpec(num_heads=4)
-  base = dict(vocab_size=V, emb_dim=32, mlp_dim=64, num_encoder_layers=2,
-              num_decoder_layers=2, encoder_attention=attention, decoder_attention=attention,
-              cross_attention=attention, max_length=16, dropout_rate=0.0)
+  base = dict(
+      vocab_size=V,
+      emb_dim=32,
+      mlp_dim=64,
+      num_encoder_layers=2,
+      num_decoder_layers=2,
+      encoder_attention=attention,
+      decoder_attention=attention,
+      cross_attention=attention,
+      max_length=16,
+      dropout_rate=0.0,
+  )
   base.update(overrides)
   return models.TransformerConfig(**base)
 
@@ -41,11 +50,19 @@ def tokens(shape, seed=0, low=3):
 
 @pytest.mark.parametrize('kind', ['lm', 'mlm', 'nmt'])
 def test_every_parameter_has_logical_axes(kind):
-  model = build(kind, cfg(encoder_attention=models.AttentionSpec(
-      num_heads=4, kind='collaborative', key_dim=16, gated=True), tie_embeddings=False))
+  model = build(
+      kind,
+      cfg(
+          encoder_attention=models.AttentionSpec(
+              num_heads=4, kind='collaborative', key_dim=16, gated=True
+          ),
+          tie_embeddings=False,
+      ),
+  )
   params = nnx.state(model, nnx.Param)
   for path, variable in jax.tree_util.tree_flatten_with_path(
-      params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+      params, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )[0]:
     axes = variable.get_metadata().get('out_sharding')
     name = '/'.join(str(getattr(k, 'key', k)) for k in path)
     assert axes is not None, f'{name} has no logical axes'
@@ -55,8 +72,11 @@ def test_every_parameter_has_logical_axes(kind):
 
 def test_lm_is_causal_and_packed_documents_do_not_see_each_other():
   model = build('lm')
-  run = jit(lambda m, x, positions=None, segment_ids=None: m(
-      x, positions=positions, segment_ids=segment_ids))
+  run = jit(
+      lambda m, x, positions=None, segment_ids=None: m(
+          x, positions=positions, segment_ids=segment_ids
+      )
+  )
   x = tokens((2, 12))
   logits, aux = run(model, x)
   assert logits.shape == (2, 12, V) and logits.dtype == jnp.float32
@@ -97,9 +117,10 @@ def test_translation_cache_decoding_matches_teacher_forcing(kind):
   encoded, _ = jit(lambda m, s: m.encode(s))(model, src)
   model.init_cache(2, 6)
   decoder_inputs = jnp.concatenate([jnp.ones((2, 1), jnp.int32), tgt[:, :-1]], axis=1)
-  step = jit(lambda m, e, s, token, i: m.decode(
-      e, s, token, positions=jnp.full((2, 1), i), decode=True)[0])
-  steps = [step(model, encoded, src, decoder_inputs[:, i:i + 1], i) for i in range(6)]
+  step = jit(
+      lambda m, e, s, token, i: m.decode(e, s, token, positions=jnp.full((2, 1), i), decode=True)[0]
+  )
+  steps = [step(model, encoded, src, decoder_inputs[:, i : i + 1], i) for i in range(6)]
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5)
 
 
@@ -130,18 +151,19 @@ def test_decoding_without_positions_continues_from_the_cache(kind):
 
 
 def test_attention_kind_per_type_and_gates(numpy_reference):
-  config = cfg(encoder_attention=models.AttentionSpec(num_heads=4, kind='collaborative',
-                                                        key_dim=16),
-               decoder_attention=models.AttentionSpec(num_heads=4, gated=True),
-               cross_attention=models.AttentionSpec(num_heads=2, kind='fixed_head',
-                                                      head_dim=8, gated=True))
+  config = cfg(
+      encoder_attention=models.AttentionSpec(num_heads=4, kind='collaborative', key_dim=16),
+      decoder_attention=models.AttentionSpec(num_heads=4, gated=True),
+      cross_attention=models.AttentionSpec(num_heads=2, kind='fixed_head', head_dim=8, gated=True),
+  )
   model = build('nmt', config)
   assert model.encoder.layers[0].self_attention.spec.kind == 'collaborative'
   assert model.decoder.layers[0].self_attention.spec.kind == 'concat'
   assert model.decoder.layers[1].cross_attention.spec.num_heads == 2
   # Fresh gates are open at evaluation: a freshly gated model computes its ungated version.
   gated = [layer.self_attention for layer in model.decoder.layers] + [
-      layer.cross_attention for layer in model.decoder.layers]
+      layer.cross_attention for layer in model.decoder.layers
+  ]
   assert all(np.all(np.asarray(a.gate_values()) == 1.0) for a in gated)
   # The penalty with the default gate settings is Voita et al.'s (numpy reference, eq. 12),
   # for each of the 2 x (4 + 2) gated heads; log alphas set here, not the library's default.
@@ -151,8 +173,9 @@ def test_attention_kind_per_type_and_gates(numpy_reference):
     a.gate_log_alpha[...] = log_alpha
   _, aux = jit(lambda m, s, t: m(s, t))(model, tokens((2, 5)), tokens((2, 4)))
   ref = numpy_reference
-  per_layer = [ref.hard_concrete_prob_open(a, ref.VOITA_TEMPERATURE, ref.STRETCH).sum()
-               for a in log_alphas]
+  per_layer = [
+      ref.hard_concrete_prob_open(a, ref.VOITA_TEMPERATURE, ref.STRETCH).sum() for a in log_alphas
+  ]
   # Voita et al.'s penalty sums over heads and averages over the 4 gated attention layers.
   np.testing.assert_allclose(aux['l0_penalty_sum'], sum(per_layer), rtol=1e-5)
   np.testing.assert_allclose(aux['l0_penalty'], np.mean(per_layer), rtol=1e-5)

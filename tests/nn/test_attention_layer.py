@@ -30,8 +30,9 @@ def test_same_seed_draws_the_same_parameters_as_flax():
   ours = lnn.MultiHeadAttention(H, D, rngs=nnx.Rngs(0))
   theirs = nnx.MultiHeadAttention(H, D, decode=False, rngs=nnx.Rngs(0))
   for name in ('query', 'key', 'value', 'out'):
-    np.testing.assert_array_equal(getattr(ours, f'{name}_kernel')[...],
-                                  getattr(theirs, name).kernel[...])
+    np.testing.assert_array_equal(
+        getattr(ours, f'{name}_kernel')[...], getattr(theirs, name).kernel[...]
+    )
 
 
 @pytest.mark.parametrize('case', ['self', 'cross', 'causal', 'padding', 'gqa', 'normalize_qk'])
@@ -56,9 +57,11 @@ def test_outputs_and_gradients_match_flax(case):
     return jnp.sum(jnp.sin(module(x, y, **call)))
 
   ref_loss, (ref_grad_params, ref_grad_x) = jax.value_and_grad(
-      lambda m, x: loss(m, x), argnums=(0, 1))(theirs, x)
+      lambda m, x: loss(m, x), argnums=(0, 1)
+  )(theirs, x)
   our_loss, (our_grad_params, our_grad_x) = jax.value_and_grad(
-      lambda m, x: loss(m, x), argnums=(0, 1))(ours, x)
+      lambda m, x: loss(m, x), argnums=(0, 1)
+  )(ours, x)
   np.testing.assert_allclose(our_loss, ref_loss, rtol=1e-5)
   np.testing.assert_allclose(our_grad_x, ref_grad_x, atol=1e-5)
   np.testing.assert_allclose(ours(x, y, **call), theirs(x, y, **call), atol=2e-6)
@@ -67,7 +70,9 @@ def test_outputs_and_gradients_match_flax(case):
     for part in ('kernel', 'bias'):
       np.testing.assert_allclose(
           getattr(our_grad_params, f'{ours_prefix}_{part}')[...],
-          getattr(getattr(ref_grad_params, theirs_name), part)[...], atol=1e-5)
+          getattr(getattr(ref_grad_params, theirs_name), part)[...],
+          atol=1e-5,
+      )
 
 
 def test_dropout_matches_flax_for_the_same_rng_stream():
@@ -75,8 +80,9 @@ def test_dropout_matches_flax_for_the_same_rng_stream():
   ours = lnn.MultiHeadAttention.from_flax(theirs)
   x = inputs()
   for _ in range(2):  # both streams advance in step
-    np.testing.assert_allclose(ours(x, deterministic=False), theirs(x, deterministic=False),
-                               atol=2e-6)
+    np.testing.assert_allclose(
+        ours(x, deterministic=False), theirs(x, deterministic=False), atol=2e-6
+    )
 
 
 def test_our_core_as_flax_attention_fn():
@@ -85,8 +91,9 @@ def test_our_core_as_flax_attention_fn():
   x = inputs()
   np.testing.assert_allclose(patched(x, is_causal=True), theirs(x, is_causal=True), atol=2e-6)
   no_keys = jnp.zeros((2, 1, 7, 7))
-  np.testing.assert_allclose(patched(x, mask=no_keys),
-                             jnp.broadcast_to(patched.out.bias[...], (2, 7, D)), atol=1e-6)
+  np.testing.assert_allclose(
+      patched(x, mask=no_keys), jnp.broadcast_to(patched.out.bias[...], (2, 7, D)), atol=1e-6
+  )
 
 
 # ------------------------------------------------------------------ conversion from flax
@@ -105,8 +112,9 @@ def test_from_flax_reproduces_the_original(kind):
 
 def test_from_flax_gated_starts_with_open_gates():
   theirs = flax_layer()
-  ours = lnn.MultiHeadAttention.from_flax(theirs, kind='collaborative', gated=True,
-                                          deterministic=True)
+  ours = lnn.MultiHeadAttention.from_flax(
+      theirs, kind='collaborative', gated=True, deterministic=True
+  )
   np.testing.assert_allclose(ours(inputs()), theirs(inputs()), atol=3e-6)
 
 
@@ -132,15 +140,25 @@ LAYERS = {
 # Logical axes of every parameter (golden, as flaxformer checks them): sharding rules key on these.
 GOLDEN_AXES = {
     'concat': {
-        'query_kernel': ('embed', 'heads', 'kv'), 'query_bias': ('heads', 'kv'),
-        'key_kernel': ('embed', 'heads', 'kv'), 'key_bias': ('heads', 'kv'),
-        'value_kernel': ('embed', 'heads', 'kv'), 'value_bias': ('heads', 'kv'),
-        'out_kernel': ('heads', 'kv', 'embed'), 'out_bias': ('embed',)},
+        'query_kernel': ('embed', 'heads', 'kv'),
+        'query_bias': ('heads', 'kv'),
+        'key_kernel': ('embed', 'heads', 'kv'),
+        'key_bias': ('heads', 'kv'),
+        'value_kernel': ('embed', 'heads', 'kv'),
+        'value_bias': ('heads', 'kv'),
+        'out_kernel': ('heads', 'kv', 'embed'),
+        'out_bias': ('embed',),
+    },
     'collaborative': {
-        'query_kernel': ('embed', 'key'), 'key_kernel': ('embed', 'key'),
-        'mixing': ('heads', 'key'), 'content_bias': ('embed', 'heads'),
-        'value_kernel': ('embed', 'heads', 'kv'), 'value_bias': ('heads', 'kv'),
-        'out_kernel': ('heads', 'kv', 'embed'), 'out_bias': ('embed',)},
+        'query_kernel': ('embed', 'key'),
+        'key_kernel': ('embed', 'key'),
+        'mixing': ('heads', 'key'),
+        'content_bias': ('embed', 'heads'),
+        'value_kernel': ('embed', 'heads', 'kv'),
+        'value_bias': ('heads', 'kv'),
+        'out_kernel': ('heads', 'kv', 'embed'),
+        'out_bias': ('embed',),
+    },
 }
 
 
@@ -156,16 +174,18 @@ def test_analytic_parameter_count_equals_the_real_tree(name):
 @pytest.mark.parametrize('name', GOLDEN_AXES)
 def test_parameters_carry_logical_axis_names(name):
   layer = lnn.MultiHeadAttention(H, D, rngs=nnx.Rngs(0), **LAYERS[name])
-  axes = {path[-1]: param.out_sharding for path, param in nnx.to_flat_state(
-      nnx.state(layer, nnx.Param))}
+  axes = {
+      path[-1]: param.out_sharding for path, param in nnx.to_flat_state(nnx.state(layer, nnx.Param))
+  }
   assert axes == GOLDEN_AXES[name]
 
 
 def test_parameters_shard_by_logical_rules_on_a_mesh():
   mesh = jax.make_mesh((2, 4), ('data', 'tensor'), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   rules = (('heads', 'tensor'), ('embed', None), ('kv', None), ('key', 'tensor'))
-  layer = nnx.eval_shape(lambda: lnn.MultiHeadAttention(
-      8, D, kind='collaborative', key_dim=16, rngs=nnx.Rngs(0)))
+  layer = nnx.eval_shape(
+      lambda: lnn.MultiHeadAttention(8, D, kind='collaborative', key_dim=16, rngs=nnx.Rngs(0))
+  )
   with nnx.logical_axis_rules(rules):
     specs = nnx.get_partition_spec(nnx.state(layer, nnx.Param))
   specs = {path[-1]: p for path, p in nnx.to_flat_state(specs)}
@@ -183,7 +203,7 @@ def test_layer_decoding_equals_full_causal_pass(name):
   x = inputs((2, 6, D))
   full = layer(x, is_causal=True)
   layer.init_cache(x.shape)
-  steps = [layer(x[:, t:t + 1], decode=True) for t in range(6)]
+  steps = [layer(x[:, t : t + 1], decode=True) for t in range(6)]
   np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=2e-6)
   with pytest.raises(ValueError, match='exceeds the cache length'):
     layer.init_cache((2, 2, D))
@@ -202,8 +222,7 @@ def test_attention_weights_on_request_and_sown():
   assert weights.shape == (2, H, 7, 7)
   np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
   assert np.all(np.triu(np.asarray(weights), k=1) == 0)
-  _, sown = nnx.capture(lambda m: m(x, is_causal=True, sow_weights=True), nnx.Intermediate)(
-      layer)
+  _, sown = nnx.capture(lambda m: m(x, is_causal=True, sow_weights=True), nnx.Intermediate)(layer)
   np.testing.assert_array_equal(sown['attention_weights'][0], weights)
 
 
@@ -216,7 +235,9 @@ def test_gated_layer_penalty_mask_and_modes(numpy_reference):
   layer.gate_log_alpha[...] = log_alpha
   np.testing.assert_allclose(
       layer.l0_penalty(),
-      ref.hard_concrete_prob_open(log_alpha, ref.VOITA_TEMPERATURE, ref.STRETCH).sum(), rtol=1e-6)
+      ref.hard_concrete_prob_open(log_alpha, ref.VOITA_TEMPERATURE, ref.STRETCH).sum(),
+      rtol=1e-6,
+  )
   np.testing.assert_array_equal(layer.pruning_mask(), [False, True, True, True])
   expected_gates = ref.hard_concrete_eval(log_alpha, ref.STRETCH)
   np.testing.assert_allclose(layer.gate_values(), expected_gates, atol=1e-6)
@@ -227,9 +248,11 @@ def test_gated_layer_penalty_mask_and_modes(numpy_reference):
   # factors as a head mask.
   gated_out = layer(x, deterministic=True)
   layer.gate_log_alpha[...] = jnp.full((H,), 10.0)
-  np.testing.assert_allclose(gated_out, layer(x, deterministic=True,
-                                              head_mask=expected_gates.astype(np.float32)),
-                             atol=1e-6)
+  np.testing.assert_allclose(
+      gated_out,
+      layer(x, deterministic=True, head_mask=expected_gates.astype(np.float32)),
+      atol=1e-6,
+  )
   assert not np.allclose(gated_out, layer(x, deterministic=True), atol=1e-3)
   layer.gate_log_alpha[...] = log_alpha
   assert not np.allclose(layer(x, deterministic=False), layer(x, deterministic=False))
@@ -250,8 +273,15 @@ def test_head_mask_gradient_through_the_layer():
 
 
 def test_nnx_jit_and_bfloat16():
-  layer = lnn.MultiHeadAttention(H, D, kind='collaborative', key_dim=16, dtype=jnp.bfloat16,
-                                 param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  layer = lnn.MultiHeadAttention(
+      H,
+      D,
+      kind='collaborative',
+      key_dim=16,
+      dtype=jnp.bfloat16,
+      param_dtype=jnp.bfloat16,
+      rngs=nnx.Rngs(0),
+  )
   x = inputs().astype(jnp.bfloat16)
   out = nnx.jit(lambda m, x: m(x, is_causal=True))(layer, x)
   assert out.dtype == jnp.bfloat16 and np.all(np.isfinite(out.astype(np.float32)))
@@ -260,14 +290,17 @@ def test_nnx_jit_and_bfloat16():
 # ------------------------------------------------------------------ errors
 
 
-@pytest.mark.parametrize('kwargs, message', [
-    (dict(attention_fn=lambda *a, **k: None), 'attention_fn is not supported'),
-    (dict(qkv_dot_general=jax.lax.dot_general), 'qkv_dot_general is not supported'),
-    (dict(mixing_init='orthogonal'), "mixing_init='orthogonal' is not one of"),
-    (dict(dropout_rate=1.0), r'dropout_rate=1.0 must be in \[0, 1\)'),
-    (dict(kind='nope'), "kind='nope' is not one of"),
-    (dict(qkv_features=30), 'qkv_features=30 must be divisible by num_heads=4'),
-])
+@pytest.mark.parametrize(
+    'kwargs, message',
+    [
+        (dict(attention_fn=lambda *a, **k: None), 'attention_fn is not supported'),
+        (dict(qkv_dot_general=jax.lax.dot_general), 'qkv_dot_general is not supported'),
+        (dict(mixing_init='orthogonal'), "mixing_init='orthogonal' is not one of"),
+        (dict(dropout_rate=1.0), r'dropout_rate=1.0 must be in \[0, 1\)'),
+        (dict(kind='nope'), "kind='nope' is not one of"),
+        (dict(qkv_features=30), 'qkv_features=30 must be divisible by num_heads=4'),
+    ],
+)
 def test_invalid_layer_settings(kwargs, message):
   with pytest.raises(ValueError, match=message):
     lnn.MultiHeadAttention(H, D, rngs=nnx.Rngs(0), **kwargs)

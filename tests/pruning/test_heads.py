@@ -29,9 +29,17 @@ KINDS = {
 def small_config(**attention) -> models.TransformerConfig:
   spec = models.AttentionSpec(num_heads=H, **attention)
   return models.TransformerConfig(
-      vocab_size=V, emb_dim=D, mlp_dim=32, num_encoder_layers=LAYERS,
-      num_decoder_layers=LAYERS, encoder_attention=spec, decoder_attention=spec,
-      cross_attention=spec, max_length=16, dropout_rate=0.0)
+      vocab_size=V,
+      emb_dim=D,
+      mlp_dim=32,
+      num_encoder_layers=LAYERS,
+      num_decoder_layers=LAYERS,
+      encoder_attention=spec,
+      decoder_attention=spec,
+      cross_attention=spec,
+      max_length=16,
+      dropout_rate=0.0,
+  )
 
 
 def training_config(**attention):
@@ -58,8 +66,9 @@ def random_model(cfg, seed=0):
     return x + 0.3 * jnp.asarray(rng.standard_normal(x.shape), x.dtype)
 
   state = nnx.state(model, nnx.Param)
-  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(
-      perturb, nnx.to_pure_dict(state)))
+  nnx.replace_by_pure_dict(
+      state, jax.tree_util.tree_map_with_path(perturb, nnx.to_pure_dict(state))
+  )
   nnx.update(model, state)
   return model
 
@@ -125,7 +134,13 @@ def test_attention_sites_name_every_layer_once_by_its_parameter_path():
   model = random_model(small_config())
   sites = model.attention_sites()
   assert [(s.attention_type, s.index) for s in sites] == [
-      ('encoder', 0), ('encoder', 1), ('decoder', 0), ('cross', 0), ('decoder', 1), ('cross', 1)]
+      ('encoder', 0),
+      ('encoder', 1),
+      ('decoder', 0),
+      ('cross', 0),
+      ('decoder', 1),
+      ('cross', 1),
+  ]
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   for site in sites:
     node = params
@@ -134,8 +149,9 @@ def test_attention_sites_name_every_layer_once_by_its_parameter_path():
     expected = nnx.to_pure_dict(nnx.state(site.layer, nnx.Param))
     assert jax.tree.all(jax.tree.map(lambda a, b: a is b, node, expected)), site.path
   assert {t: [id(a) for a in layers] for t, layers in model.attention_layers().items()} == {
-      t: [id(s.layer) for s in sites if s.attention_type == t] for t in ('encoder', 'decoder',
-                                                                           'cross')}
+      t: [id(s.layer) for s in sites if s.attention_type == t]
+      for t in ('encoder', 'decoder', 'cross')
+  }
   assert list(model.decoder.attention_layers()) == [s.layer for s in sites[2:]]
 
 
@@ -159,8 +175,10 @@ def test_decoding_with_a_pruned_decoder_matches_the_full_pass():
   encoded, _ = pruned.encode(inputs[:1])
   pruned.init_cache(1, 16)
   shifted = jnp.concatenate([jnp.ones((1, 1), jnp.int32), targets[:1, :-1]], axis=1)
-  steps = [pruned.decode(encoded, inputs[:1], shifted[:, i:i + 1], decode=True)[0]
-           for i in range(shifted.shape[1])]
+  steps = [
+      pruned.decode(encoded, inputs[:1], shifted[:, i : i + 1], decode=True)[0]
+      for i in range(shifted.shape[1])
+  ]
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -186,8 +204,9 @@ def test_parameters_and_flops_shrink_by_the_pruned_heads(kind):
   count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
   removed = sum(int((~k).sum()) for k in keep.values())
   emptied = sum(int((~k.any(axis=1)).sum()) for k in keep.values())
-  assert count(pruned) == (count(model) - removed * per_head_params(kind)
-                           - emptied * shared_params(kind))
+  assert count(pruned) == (
+      count(model) - removed * per_head_params(kind) - emptied * shared_params(kind)
+  )
 
   # Encoder self-attention FLOPs (2 x multiply-adds) of one head, concat: projections of n
   # tokens, n x n logits and weighted sum, output projection.
@@ -216,11 +235,16 @@ def test_pruned_model_trains_like_the_masked_one():
   full = nnx.jit(nnx.grad(loss))(model, masks)
   small = nnx.jit(nnx.grad(loss))(pruned)
   kept = np.flatnonzero(keep['encoder'][1])
-  np.testing.assert_allclose(small['encoder']['layers'][1]['self_attention']['query_kernel'],
-                             np.asarray(full['encoder']['layers'][1]['self_attention']
-                                        ['query_kernel'])[:, kept], atol=1e-6)
-  np.testing.assert_allclose(small['decoder']['layers'][0]['mlp']['wi']['kernel'],
-                             full['decoder']['layers'][0]['mlp']['wi']['kernel'], atol=1e-6)
+  np.testing.assert_allclose(
+      small['encoder']['layers'][1]['self_attention']['query_kernel'],
+      np.asarray(full['encoder']['layers'][1]['self_attention']['query_kernel'])[:, kept],
+      atol=1e-6,
+  )
+  np.testing.assert_allclose(
+      small['decoder']['layers'][0]['mlp']['wi']['kernel'],
+      full['decoder']['layers'][0]['mlp']['wi']['kernel'],
+      atol=1e-6,
+  )
 
 
 def test_keep_from_gates_is_eval_gate_above_zero():
@@ -244,16 +268,18 @@ def test_gate_log_alpha_init_glorot_as_voita():
   """Voita et al.'s gates start from TF's glorot-uniform over shape [1, h, 1, 1]:
   U(-limit, limit), limit = sqrt(6 / (fan_in + fan_out)) with fan_in = fan_out = h."""
   h = 64
-  spec = models.AttentionSpec(num_heads=h, in_features=D, head_dim=2, gated=True,
-                              gate_log_alpha_init='glorot')
+  spec = models.AttentionSpec(
+      num_heads=h, in_features=D, head_dim=2, gated=True, gate_log_alpha_init='glorot'
+  )
   from lowrank_attn.nn import MultiHeadAttention
+
   log_alpha = np.asarray(MultiHeadAttention.from_spec(spec, rngs=nnx.Rngs(0)).gate_log_alpha[...])
   limit = np.sqrt(6.0 / (h + h))
   assert np.all(np.abs(log_alpha) <= limit)
   assert np.abs(log_alpha).max() > 0.8 * limit and np.std(log_alpha) > 0.4 * limit
   default = MultiHeadAttention.from_spec(
-      models.AttentionSpec(num_heads=h, in_features=D, head_dim=2, gated=True),
-      rngs=nnx.Rngs(0))
+      models.AttentionSpec(num_heads=h, in_features=D, head_dim=2, gated=True), rngs=nnx.Rngs(0)
+  )
   np.testing.assert_array_equal(default.gate_values(), 1.0)
 
 
@@ -266,14 +292,21 @@ def test_gate_log_alpha_init_from_the_config():
     config_lib.model_config(config, V)
 
 
-@pytest.mark.parametrize('keep, message', [
-    ({'encoder': np.ones((LAYERS, H + 1), bool)}, r"keep\['encoder'\] has shape \(2, 5\), "
-                                                  r'expected \[2, 4\]'),
-    ({'encoder': np.ones((LAYERS + 1, H), bool)}, r"keep\['encoder'\] has shape \(3, 4\)"),
-    ({'decoder_self': np.ones((LAYERS, H), bool)}, r"types \['decoder_self'\].*'cross', "
-                                                   r"'decoder', 'encoder'"),
-    ({'cross': np.full((LAYERS, H), 0.5)}, r"keep\['cross'\] layer 0 = \[0.5"),
-])
+@pytest.mark.parametrize(
+    'keep, message',
+    [
+        (
+            {'encoder': np.ones((LAYERS, H + 1), bool)},
+            r"keep\['encoder'\] has shape \(2, 5\), " r'expected \[2, 4\]',
+        ),
+        ({'encoder': np.ones((LAYERS + 1, H), bool)}, r"keep\['encoder'\] has shape \(3, 4\)"),
+        (
+            {'decoder_self': np.ones((LAYERS, H), bool)},
+            r"types \['decoder_self'\].*'cross', " r"'decoder', 'encoder'",
+        ),
+        ({'cross': np.full((LAYERS, H), 0.5)}, r"keep\['cross'\] layer 0 = \[0.5"),
+    ],
+)
 def test_bad_keep_is_a_value_error_naming_it(keep, message):
   with pytest.raises(ValueError, match=message):
     prune_heads(random_model(small_config()), keep)

@@ -14,8 +14,10 @@ from lowrank_attn.runs import RunDir, with_overrides
 from lowrank_attn.train import config as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-KEEP = {'encoder': np.array([[1, 0, 1, 1], [0, 0, 0, 0]], bool),
-        'cross': np.array([[1, 1, 1, 1], [0, 1, 0, 0]], bool)}
+KEEP = {
+    'encoder': np.array([[1, 0, 1, 1], [0, 0, 0, 0]], bool),
+    'cross': np.array([[1, 1, 1, 1], [0, 1, 0, 0]], bool),
+}
 
 
 def tiny_config(steps: int):
@@ -36,14 +38,19 @@ def test_pruned_run_equals_masked_source_and_trains(tmp_path):
   overrides = pruning.prune_run(source, KEEP, pruned_dir)
   assert overrides['model.encoder_attention.num_heads'] == (3, 0)
   assert json.loads((tmp_path / 'pruned' / 'pruning.json').read_text())['keep']['cross'] == [
-      [1, 1, 1, 1], [0, 1, 0, 0]]
+      [1, 1, 1, 1],
+      [0, 1, 0, 0],
+  ]
   original, pruned = RunDir(source).model(), RunDir(pruned_dir).model()
   rng = np.random.default_rng(0)
   inputs = jnp.asarray(rng.integers(5, 100, (2, 9)), jnp.int32)
   targets = jnp.asarray(rng.integers(5, 100, (2, 7)), jnp.int32)
   masks = {t: jnp.asarray(k, jnp.float32) for t, k in KEEP.items()}
-  np.testing.assert_allclose(nnx.jit(lambda m: m(inputs, targets)[0])(pruned),
-                             original(inputs, targets, head_masks=masks)[0], atol=1e-5)
+  np.testing.assert_allclose(
+      nnx.jit(lambda m: m(inputs, targets)[0])(pruned),
+      original(inputs, targets, head_masks=masks)[0],
+      atol=1e-5,
+  )
 
   # The normal training path: the source's config plus the returned overrides. (Each
   # translation run ends by translating its validation and test splits: one run only.)
@@ -52,8 +59,11 @@ def test_pruned_run_equals_masked_source_and_trains(tmp_path):
   assert result['step'] == 2 and np.isfinite(result['train']['loss'])
   restored = RunDir(tuned)  # the pruned model's own checkpoint, restored
   assert restored.latest_step() == 2
-  assert pruning.head_counts(restored.model()) == {'encoder': (3, 0), 'decoder': (4, 4),
-                                                   'cross': (4, 1)}
+  assert pruning.head_counts(restored.model()) == {
+      'encoder': (3, 0),
+      'decoder': (4, 4),
+      'cross': (4, 1),
+  }
   trained = nnx.jit(lambda m: m(inputs, targets)[0])(restored.model())
   assert np.isfinite(trained).all()
   assert not np.allclose(trained, nnx.jit(lambda m: m(inputs, targets)[0])(pruned))

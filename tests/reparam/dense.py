@@ -5,8 +5,9 @@ import numpy as np
 
 def dense_tensor(query_kernel, key_kernel):
   """T `[D_q, heads, D_k]` with T[:, i] = W_Q^(i) W_K^(i)T, in float64."""
-  return np.einsum('qhd,khd->qhk', np.asarray(query_kernel, np.float64),
-                   np.asarray(key_kernel, np.float64))
+  return np.einsum(
+      'qhd,khd->qhk', np.asarray(query_kernel, np.float64), np.asarray(key_kernel, np.float64)
+  )
 
 
 def cp_tensor(query, mixing, key):
@@ -21,8 +22,10 @@ def relative_error(tensor, approximation):
 def random_kernels(d_q, d_k, heads, head_dim, seed=0):
   """Per-head float32 query and key kernels `[D, heads, head_dim]` at a trained layer's scale."""
   rng = np.random.default_rng(seed)
-  return ((rng.standard_normal((d_q, heads, head_dim)) / np.sqrt(d_q)).astype(np.float32),
-          (rng.standard_normal((d_k, heads, head_dim)) / np.sqrt(d_k)).astype(np.float32))
+  return (
+      (rng.standard_normal((d_q, heads, head_dim)) / np.sqrt(d_q)).astype(np.float32),
+      (rng.standard_normal((d_k, heads, head_dim)) / np.sqrt(d_k)).astype(np.float32),
+  )
 
 
 def reference(forms, content_bias, params, scale, x, y):

@@ -19,14 +19,18 @@ def concat_spec(**options):
 def random_params(spec, seed=0):
   """Every parameter random, biases included, so no term is trivially zero."""
   rng = np.random.default_rng(seed)
-  return {name: jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), jnp.float32)
-          for name, shape in sorted(spec.param_shapes().items())}
+  return {
+      name: jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), jnp.float32)
+      for name, shape in sorted(spec.param_shapes().items())
+  }
 
 
 def inputs(seed=1):
   rng = np.random.default_rng(seed)
-  return (jnp.asarray(rng.standard_normal((2, 5, D_Q)), jnp.float32),
-          jnp.asarray(rng.standard_normal((2, 7, D_K)), jnp.float32))
+  return (
+      jnp.asarray(rng.standard_normal((2, 5, D_Q)), jnp.float32),
+      jnp.asarray(rng.standard_normal((2, 7, D_K)), jnp.float32),
+  )
 
 
 def run(params, spec, x, y):
@@ -34,8 +38,11 @@ def run(params, spec, x, y):
 
 
 def exact_content_bias(params):
-  return np.einsum('khd,hd->kh', np.asarray(params['key_kernel'], np.float64),
-                   np.asarray(params['query_bias'], np.float64))
+  return np.einsum(
+      'khd,hd->kh',
+      np.asarray(params['key_kernel'], np.float64),
+      np.asarray(params['query_bias'], np.float64),
+  )
 
 
 @pytest.mark.parametrize('use_bias', [True, False])
@@ -58,14 +65,25 @@ def test_reduced_width_is_the_layer_built_from_the_factors():
   assert new_spec.logit_scale == pytest.approx(1 / math.sqrt(HEAD_DIM))  # the original's
   factors = collaborative_factors(params['query_kernel'], params['key_kernel'], RANK)
   assert error == factors.relative_error and 0.05 < error < 1.0
-  forms = np.einsum('qr,hr,kr->qhk', *(np.asarray(f, np.float64) for f in (
-      factors.query_kernel, factors.mixing, factors.key_kernel)))
+  forms = np.einsum(
+      'qr,hr,kr->qhk',
+      *(
+          np.asarray(f, np.float64)
+          for f in (factors.query_kernel, factors.mixing, factors.key_kernel)
+      ),
+  )
   x, y = inputs()
   expected = reference(forms, exact_content_bias(params), params, spec.logit_scale, x, y)
   np.testing.assert_allclose(run(new, new_spec, x, y), expected, atol=1e-5)
   # ... and not the original layer: the truncation is visible in the outputs.
-  original = reference(dense_tensor(params['query_kernel'], params['key_kernel']),
-                       exact_content_bias(params), params, spec.logit_scale, x, y)
+  original = reference(
+      dense_tensor(params['query_kernel'], params['key_kernel']),
+      exact_content_bias(params),
+      params,
+      spec.logit_scale,
+      x,
+      y,
+  )
   np.testing.assert_allclose(run(params, spec, x, y), original, atol=1e-5)
   assert np.abs(run(new, new_spec, x, y) - original).max() > 1e-3
 
@@ -91,7 +109,8 @@ def test_rescaled_logits_as_in_the_papers_code():
   rescaled, rescaled_spec = concat_to_collaborative(params, spec, RANK, rescale_logits=True)
   assert rescaled_spec.logit_scale == pytest.approx(1 / math.sqrt(RANK / HEADS))
   assert rescaled_spec.logit_scale == pytest.approx(
-      kept_spec.logit_scale * math.sqrt(HEADS * HEAD_DIM / RANK))
+      kept_spec.logit_scale * math.sqrt(HEADS * HEAD_DIM / RANK)
+  )
   for name in kept:
     np.testing.assert_array_equal(rescaled[name], kept[name])
   # At full width both scales agree with the original.
@@ -127,8 +146,10 @@ def test_per_head_svd_truncates_each_head(key_dim, ranks):
   for i, rank in enumerate(ranks):
     u, s, vt = np.linalg.svd(forms[:, i])
     truncated[:, i] = (u[:, :rank] * s[:rank]) @ vt[:rank]
-  ours = np.einsum('qr,hr,kr->qhk', *(np.asarray(new[n], np.float64) for n in (
-      'query_kernel', 'mixing', 'key_kernel')))
+  ours = np.einsum(
+      'qr,hr,kr->qhk',
+      *(np.asarray(new[n], np.float64) for n in ('query_kernel', 'mixing', 'key_kernel')),
+  )
   np.testing.assert_allclose(ours, truncated, atol=1e-5)
   x, y = inputs()
   expected = reference(truncated, exact_content_bias(params), params, spec.logit_scale, x, y)

@@ -8,8 +8,17 @@ from tensorly.decomposition import parafac
 from lowrank_attn.reparam import collaborative_factors
 from lowrank_attn.reparam.cp import _normalize
 
-from .dense import (D_K, D_Q, HEAD_DIM, HEADS, RANK, cp_tensor, dense_tensor, random_kernels,
-                       relative_error)
+from .dense import (
+    D_K,
+    D_Q,
+    HEAD_DIM,
+    HEADS,
+    RANK,
+    cp_tensor,
+    dense_tensor,
+    random_kernels,
+    relative_error,
+)
 
 
 def kernels_with_cp_structure(d_q, d_k, heads, head_dim, rank, seed=0):
@@ -50,8 +59,9 @@ def test_recovers_a_tensor_of_known_cp_rank(seed):
 def test_reported_error_is_the_dense_error():
   query, key = random_kernels(D_Q, D_K, HEADS, HEAD_DIM, seed=1)
   result = collaborative_factors(query, key, RANK)
-  dense = relative_error(dense_tensor(query, key),
-                         cp_tensor(result.query_kernel, result.mixing, result.key_kernel))
+  dense = relative_error(
+      dense_tensor(query, key), cp_tensor(result.query_kernel, result.mixing, result.key_kernel)
+  )
   assert 0.1 < dense < 1.0
   np.testing.assert_allclose(result.relative_error, dense, rtol=1e-6)
   np.testing.assert_allclose(result.error_history[-1], dense, rtol=1e-5)
@@ -101,8 +111,10 @@ def test_full_width_is_concatenated_heads_exactly(key_dim):
   np.testing.assert_array_equal(result.key_kernel[:, :16], key.reshape(D_K, 16))
   np.testing.assert_array_equal(result.mixing[:, :16], np.repeat(np.eye(4), 4, axis=1))
   np.testing.assert_allclose(
-      cp_tensor(result.query_kernel, result.mixing, result.key_kernel), dense_tensor(query, key),
-      atol=1e-6)
+      cp_tensor(result.query_kernel, result.mixing, result.key_kernel),
+      dense_tensor(query, key),
+      atol=1e-6,
+  )
 
 
 def test_rank_beyond_the_unfoldings_rank():
@@ -110,8 +122,9 @@ def test_rank_beyond_the_unfoldings_rank():
   query, key = random_kernels(3, 10, heads=2, head_dim=4, seed=4)
   result = collaborative_factors(query, key, 5)
   assert np.all(np.isfinite(result.query_kernel)) and np.all(np.isfinite(result.mixing))
-  dense = relative_error(dense_tensor(query, key),
-                         cp_tensor(result.query_kernel, result.mixing, result.key_kernel))
+  dense = relative_error(
+      dense_tensor(query, key), cp_tensor(result.query_kernel, result.mixing, result.key_kernel)
+  )
   np.testing.assert_allclose(result.relative_error, dense, rtol=1e-5)
   assert dense < 0.5
 

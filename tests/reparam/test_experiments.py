@@ -48,8 +48,10 @@ def test_from_scratch_configs():
   base = from_scratch.load_config('configs/nmt.py:multi30k')
   concat = from_scratch.training_fields('concat', 256, 256, 600)
   assert not any(k.startswith('model.attention') for k in concat)  # the baseline layer
-  narrow = {kind: with_overrides(base, from_scratch.training_fields(kind, 64, 256, 600))
-            for kind in from_scratch.KINDS}
+  narrow = {
+      kind: with_overrides(base, from_scratch.training_fields(kind, 64, 256, 600))
+      for kind in from_scratch.KINDS
+  }
   for kind, config in narrow.items():
     config_lib.validate(config)
     spec = config_lib.model_config(config, 100).attention('cross', 0)
@@ -58,10 +60,14 @@ def test_from_scratch_configs():
   assert narrow['concat'].model.attention.mixing_init == 'concatenate'
   assert narrow['collaborative'].model.attention.mixing_init == 'random'
   # Concat heads: only the mixing is frozen.
-  params = {'encoder': {'layers': {0: {'self_attention': {'mixing': 0, 'query_kernel': 0}}}},
-            'tokens': {'embed': {'embedding': 0}}}
+  params = {
+      'encoder': {'layers': {0: {'self_attention': {'mixing': 0, 'query_kernel': 0}}}},
+      'tokens': {'embed': {'embedding': 0}},
+  }
   labels = state_lib.trainable_labels(params, narrow['concat'].trainable)
-  assert labels['encoder']['layers'][0]['self_attention'] == {'mixing': 'frozen',
-                                                               'query_kernel': 'train'}
+  assert labels['encoder']['layers'][0]['self_attention'] == {
+      'mixing': 'frozen',
+      'query_kernel': 'train',
+  }
   assert labels['tokens']['embed']['embedding'] == 'train'
   assert narrow['collaborative'].trainable is None

@@ -23,9 +23,17 @@ V, D, H = 40, 32, 4
 def small_config(**attention):
   spec = models.AttentionSpec(num_heads=H, **attention)
   return models.TransformerConfig(
-      vocab_size=V, emb_dim=D, mlp_dim=64, num_encoder_layers=2, num_decoder_layers=2,
-      encoder_attention=spec, decoder_attention=spec, cross_attention=spec, max_length=16,
-      dropout_rate=0.0)
+      vocab_size=V,
+      emb_dim=D,
+      mlp_dim=64,
+      num_encoder_layers=2,
+      num_decoder_layers=2,
+      encoder_attention=spec,
+      decoder_attention=spec,
+      cross_attention=spec,
+      max_length=16,
+      dropout_rate=0.0,
+  )
 
 
 def random_model(cfg=None, seed=0):
@@ -34,8 +42,10 @@ def random_model(cfg=None, seed=0):
   model = models.EncoderDecoder(cfg or small_config(), bos_id=1, rngs=nnx.Rngs(seed))
   rng = np.random.default_rng(seed)
   state = nnx.state(model, nnx.Param)
-  nnx.update(model, jax.tree.map(
-      lambda x: x + 0.3 * jnp.asarray(rng.standard_normal(x.shape), x.dtype), state))
+  nnx.update(
+      model,
+      jax.tree.map(lambda x: x + 0.3 * jnp.asarray(rng.standard_normal(x.shape), x.dtype), state),
+  )
   return model
 
 
@@ -57,9 +67,15 @@ def flat_params(model):
   return {'/'.join(str(getattr(k, 'key', k)) for k in path): np.asarray(v) for path, v in leaves}
 
 
-ATTENTION_PATHS = [f'{stack}/layers/{i}/{kind}' for stack, kind in (
-    ('encoder', 'self_attention'), ('decoder', 'self_attention'),
-    ('decoder', 'cross_attention')) for i in range(2)]
+ATTENTION_PATHS = [
+    f'{stack}/layers/{i}/{kind}'
+    for stack, kind in (
+        ('encoder', 'self_attention'),
+        ('decoder', 'self_attention'),
+        ('decoder', 'cross_attention'),
+    )
+    for i in range(2)
+]
 
 
 def test_full_width_keeps_the_outputs_of_an_encoder_decoder():
@@ -112,18 +128,29 @@ def test_reported_errors_are_the_dense_numpy_errors(conversion):
   assert sorted(converted.relative_errors) == sorted(ATTENTION_PATHS)
   for path, error in converted.relative_errors.items():
     tensor = dense_tensor(before[f'{path}/query_kernel'], before[f'{path}/key_kernel'])
-    approximation = np.einsum('qr,hr,kr->qhk', *(after[f'{path}/{name}'].astype(np.float64)
-                                                 for name in ('query_kernel', 'mixing',
-                                                              'key_kernel')))
+    approximation = np.einsum(
+        'qr,hr,kr->qhk',
+        *(
+            after[f'{path}/{name}'].astype(np.float64)
+            for name in ('query_kernel', 'mixing', 'key_kernel')
+        ),
+    )
     dense = relative_error(tensor, approximation)
     assert 0.05 < dense < 1.0
     np.testing.assert_allclose(error, dense, rtol=1e-5)
     if conversion == 'low_rank_concat':  # Eckart-Young per head, in numpy: 3 of 8 kept each
       singular = np.stack([np.linalg.svd(tensor[:, i], compute_uv=False) for i in range(H)])
-      np.testing.assert_allclose(error, np.sqrt(np.sum(singular[:, 3:] ** 2)
-                                                / np.sum(singular ** 2)), rtol=1e-5)
-  converted_names = ('query_kernel', 'key_kernel', 'query_bias', 'key_bias', 'mixing',
-                     'content_bias')
+      np.testing.assert_allclose(
+          error, np.sqrt(np.sum(singular[:, 3:] ** 2) / np.sum(singular**2)), rtol=1e-5
+      )
+  converted_names = (
+      'query_kernel',
+      'key_kernel',
+      'query_bias',
+      'key_bias',
+      'mixing',
+      'content_bias',
+  )
   unchanged = [name for name in before if not name.endswith(converted_names)]
   assert len(unchanged) > 40
   for name in unchanged:
@@ -135,30 +162,38 @@ def test_only_the_chosen_attention_types_change():
   converted = to_collaborative(model, 12, attention_types=['cross'])
   assert sorted(converted.relative_errors) == [p for p in ATTENTION_PATHS if 'cross' in p]
   cfg = converted.config
-  assert (cfg.encoder_attention.kind, cfg.decoder_attention.kind,
-          cfg.cross_attention.kind) == ('concat', 'concat', 'collaborative')
+  assert (cfg.encoder_attention.kind, cfg.decoder_attention.kind, cfg.cross_attention.kind) == (
+      'concat',
+      'concat',
+      'collaborative',
+  )
   assert converted.model.decoder.layers[0].self_attention.spec.kind == 'concat'
   assert converted.model.decoder.layers[0].cross_attention.spec.key_dim == 12
 
 
 def test_rescaled_logits_are_recorded_in_the_config():
-  converted = to_collaborative(random_model(), 12, attention_types='encoder',
-                               rescale_logits=True)
+  converted = to_collaborative(random_model(), 12, attention_types='encoder', rescale_logits=True)
   assert converted.config.encoder_attention.logit_scale == pytest.approx((12 / H) ** -0.5)
   assert converted.model.encoder.layers[1].self_attention.spec.logit_scale == pytest.approx(
-      (12 / H) ** -0.5)
+      (12 / H) ** -0.5
+  )
 
 
 def test_default_types_skip_what_cannot_be_converted_and_named_ones_fail_by_layer():
   cfg = small_config()
-  cfg = models.TransformerConfig(**{**cfg.__dict__, 'encoder_attention': models.AttentionSpec(
-      num_heads=H, kind='talking_heads')})
+  cfg = models.TransformerConfig(
+      **{
+          **cfg.__dict__,
+          'encoder_attention': models.AttentionSpec(num_heads=H, kind='talking_heads'),
+      }
+  )
   model = models.EncoderDecoder(cfg, bos_id=1, rngs=nnx.Rngs(0))
   assert all('encoder' not in p for p in to_collaborative(model, 12).relative_errors)
   with pytest.raises(ValueError, match=r'encoder/layers/0/self_attention: .*talking_heads'):
     to_collaborative(model, 12, attention_types=['encoder'])
   with pytest.raises(ValueError, match=r"attention_types=\['cross'\].*\('decoder',\)"):
-    to_collaborative(models.DecoderLM(small_config(), rngs=nnx.Rngs(0)), 12,
-                     attention_types=['cross'])
+    to_collaborative(
+        models.DecoderLM(small_config(), rngs=nnx.Rngs(0)), 12, attention_types=['cross']
+    )
   with pytest.raises(ValueError, match='key_dim=40 must be an integer from num_heads=4'):
     to_low_rank_concat(model, 40)

@@ -24,18 +24,28 @@ def nmt_tiny_config():
   spec = importlib.util.spec_from_file_location('nmt_config', ROOT / 'configs' / 'nmt.py')
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return with_overrides(module.get_config('tiny'), {
-      'model.emb_dim': 32, 'model.mlp_dim': 64, 'model.num_encoder_layers': 1,
-      'model.num_decoder_layers': 1})
+  return with_overrides(
+      module.get_config('tiny'),
+      {
+          'model.emb_dim': 32,
+          'model.mlp_dim': 64,
+          'model.num_encoder_layers': 1,
+          'model.num_decoder_layers': 1,
+      },
+  )
 
 
 def trained_like_model(config):
   """The model of a training config, with every parameter moved off its initialisation."""
-  model = models.EncoderDecoder(config_lib.model_config(config, VOCAB), bos_id=1,
-                                rngs=nnx.Rngs(0))
+  model = models.EncoderDecoder(config_lib.model_config(config, VOCAB), bos_id=1, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
-  nnx.update(model, jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype),
-                                 nnx.state(model, nnx.Param)))
+  nnx.update(
+      model,
+      jax.tree.map(
+          lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype),
+          nnx.state(model, nnx.Param),
+      ),
+  )
   return model
 
 
@@ -48,11 +58,17 @@ def test_written_run_round_trips_through_the_training_config(tmp_path):
   config = nmt_tiny_config()
   converted = to_low_rank_concat(trained_like_model(config), key_dim=16)  # 4 heads of 8
   overrides = write_run(converted, tmp_path / 'converted', config)
-  assert overrides == pytest.approx({f'model.{t}_attention.{field}': value
-                                     for t in ('encoder', 'decoder', 'cross')
-                                     for field, value in (('kind', 'collaborative'),
-                                                          ('key_dim', 16),
-                                                          ('logit_scale', 1 / np.sqrt(8)))})
+  assert overrides == pytest.approx(
+      {
+          f'model.{t}_attention.{field}': value
+          for t in ('encoder', 'decoder', 'cross')
+          for field, value in (
+              ('kind', 'collaborative'),
+              ('key_dim', 16),
+              ('logit_scale', 1 / np.sqrt(8)),
+          )
+      }
+  )
   written = json.loads((tmp_path / 'converted' / 'config.json').read_text())
   assert written['model']['cross_attention']['key_dim'] == 16
   conversion = json.loads((tmp_path / 'converted' / 'conversion.json').read_text())

@@ -23,8 +23,13 @@ from lowrank_attn.train import config as config_lib, state as state_lib, train
 
 DATA_DIR = pathlib.Path(os.environ[data.DATA_DIR_ENV])
 # Example counts of ../shared/data/README.md (MRPC's train.tsv: 3,668 lines with its header).
-COUNTS = {'cola': (8551, 1043), 'sst2': (67349, 872), 'mrpc': (3667, 408), 'rte': (2490, 277),
-          'stsb': (5749, 1500)}
+COUNTS = {
+    'cola': (8551, 1043),
+    'sst2': (67349, 872),
+    'mrpc': (3667, 408),
+    'rte': (2490, 277),
+    'stsb': (5749, 1500),
+}
 
 
 @pytest.fixture(scope='module')
@@ -45,8 +50,12 @@ def test_every_example_of_the_files_is_read(task, tfds_dir):
     assert len(source) == expected
     # The last line of the raw file, split by hand, is the last example.
     name = 'train' if split == 'train' else 'dev'
-    lines = (DATA_DIR / 'glue' / spec.folder / f'{name}.tsv').read_text(
-        encoding='utf-8').rstrip('\n').split('\n')
+    lines = (
+        (DATA_DIR / 'glue' / spec.folder / f'{name}.tsv')
+        .read_text(encoding='utf-8')
+        .rstrip('\n')
+        .split('\n')
+    )
     columns = lines[-1].split('\t')
     last = source[len(source) - 1]
     assert last['sentence1'].decode() == columns[spec.sentence_columns[0]]
@@ -127,14 +136,20 @@ def test_losses_are_cross_entropy_and_squared_error_per_example():
 def test_the_classifier_holds_the_encoder_of_bert_without_the_mlm_head(minilm_dir):
   config = config_lib.load('configs/glue.py:rte')
   model_cfg = config_lib.model_config(config, vocab_size=30522)
-  model = nnx.eval_shape(lambda: tasks.get('glue').create_model(config, model_cfg, 101,
-                                                                nnx.Rngs(0)))
+  model = nnx.eval_shape(
+      lambda: tasks.get('glue').create_model(config, model_cfg, 101, nnx.Rngs(0))
+  )
   paths = {'/'.join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   mlm = nnx.eval_shape(lambda: bert.load_pretrained(minilm_dir))
   mlm_paths = {'/'.join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(mlm, nnx.Param))}
   assert paths - mlm_paths == {'classifier/kernel', 'classifier/bias'}
-  assert mlm_paths - paths == {'head_dense/kernel', 'head_dense/bias', 'head_norm/scale',
-                               'head_norm/bias', 'output_bias'}
+  assert mlm_paths - paths == {
+      'head_dense/kernel',
+      'head_dense/bias',
+      'head_norm/scale',
+      'head_norm/bias',
+      'output_bias',
+  }
 
 
 def test_minilm_zero_shot_stsb_matches_its_published_score(tfds_dir):

@@ -16,8 +16,12 @@ def load_config(name: str, variant: str = 'base'):
 
 # A model small enough that a step costs milliseconds: tests exercise the machinery.
 SMALL_MODEL = {
-    'model.emb_dim': 32, 'model.mlp_dim': 64, 'model.attention.num_heads': 4,
-    'per_device_batch_size': 4, 'data.max_length': 32, 'model.max_length': 64,
+    'model.emb_dim': 32,
+    'model.mlp_dim': 64,
+    'model.attention.num_heads': 4,
+    'per_device_batch_size': 4,
+    'data.max_length': 32,
+    'model.max_length': 64,
 }
 
 

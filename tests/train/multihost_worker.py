@@ -1,6 +1,6 @@
 """One process of a simulated 2-host run (2 CPU devices each), for test_multihost.py.
 
-    python tests/train/multihost_worker.py <process_id> <port> <workdir> <tfds_dir> <steps>
+python tests/train/multihost_worker.py <process_id> <port> <workdir> <tfds_dir> <steps>
 """
 
 import os
@@ -20,13 +20,24 @@ def main():
   import conftest  # pylint: disable=g-import-not-at-top
   from lowrank_attn.train import train  # pylint: disable=g-import-not-at-top
 
-  config = conftest.override(conftest.load_config('lm', 'tiny'), {
-      **conftest.SMALL_MODEL, 'model.num_decoder_layers': 1, 'model.dropout_rate': 0.1,
-      'num_train_steps': int(steps), 'checkpoint_every_steps': 6, 'log_every_steps': 4,
-      'data.tfds_data_dir': tfds_dir, 'peak_flops_per_device': 1e11,
-      'per_device_batch_size': 2, 'mesh.data': 2, 'mesh.fsdp': 2,
-      # Independent of num_train_steps, so a 12-step run continues into the 18-step one.
-      'lr_schedule': 'inverse_sqrt'})
+  config = conftest.override(
+      conftest.load_config('lm', 'tiny'),
+      {
+          **conftest.SMALL_MODEL,
+          'model.num_decoder_layers': 1,
+          'model.dropout_rate': 0.1,
+          'num_train_steps': int(steps),
+          'checkpoint_every_steps': 6,
+          'log_every_steps': 4,
+          'data.tfds_data_dir': tfds_dir,
+          'peak_flops_per_device': 1e11,
+          'per_device_batch_size': 2,
+          'mesh.data': 2,
+          'mesh.fsdp': 2,
+          # Independent of num_train_steps, so a 12-step run continues into the 18-step one.
+          'lr_schedule': 'inverse_sqrt',
+      },
+  )
   result = train.train_and_evaluate(config, workdir)
   print('RESULT', jax.process_index(), result['step'], flush=True)
 

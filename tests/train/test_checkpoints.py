@@ -25,19 +25,36 @@ STEPS = 90
 
 
 def command(helpers, workdir, tfds_dir, steps=STEPS, **extra):
-  values = {**extra, **helpers.small_model, 'model.num_decoder_layers': 1, 'model.dropout_rate': 0.1,
-            'num_train_steps': steps, 'checkpoint_every_steps': 3, 'keep_checkpoints': 2,
-            'log_every_steps': 5, 'eval_every_steps': 0, 'num_eval_steps': 1,
-            'data.tfds_data_dir': tfds_dir, 'peak_flops_per_device': 1e11}
-  return [sys.executable, '-m', 'lowrank_attn.main', '--config=configs/lm.py:tiny',
-          f'--workdir={workdir}', *helpers.cli_overrides(values)]
+  values = {
+      **extra,
+      **helpers.small_model,
+      'model.num_decoder_layers': 1,
+      'model.dropout_rate': 0.1,
+      'num_train_steps': steps,
+      'checkpoint_every_steps': 3,
+      'keep_checkpoints': 2,
+      'log_every_steps': 5,
+      'eval_every_steps': 0,
+      'num_eval_steps': 1,
+      'data.tfds_data_dir': tfds_dir,
+      'peak_flops_per_device': 1e11,
+  }
+  return [
+      sys.executable,
+      '-m',
+      'lowrank_attn.main',
+      '--config=configs/lm.py:tiny',
+      f'--workdir={workdir}',
+      *helpers.cli_overrides(values),
+  ]
 
 
 def start(helpers, cmd, stdout=subprocess.PIPE):
   # One device: the command must not inherit the tests' 8 virtual devices.
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  return subprocess.Popen(cmd, cwd=helpers.root, env=env, stdout=stdout,
-                          stderr=subprocess.STDOUT, text=True)
+  return subprocess.Popen(
+      cmd, cwd=helpers.root, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True
+  )
 
 
 def finish(process, timeout=300):
@@ -249,26 +266,39 @@ def test_restore_onto_a_different_mesh(helpers, tmp_path):
 
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 2, 2, 2
   target = train.setup(config, vocab_size=64, bos_id=1)
-  restored, data_state = checkpoints.Checkpointer(str(tmp_path)).restore(
-      7, target.abstract_state)
+  restored, data_state = checkpoints.Checkpointer(str(tmp_path)).restore(7, target.abstract_state)
   assert data_state == {'position': 42}
   kernel = restored['params']['decoder']['layers'][0]['mlp']['wi']['kernel']
-  assert kernel.sharding == target.state_shardings['params']['decoder']['layers'][0]['mlp'][
-      'wi']['kernel']
+  assert (
+      kernel.sharding
+      == target.state_shardings['params']['decoder']['layers'][0]['mlp']['wi']['kernel']
+  )
   assert kernel.addressable_shards[0].data.shape == (16, 32)  # fsdp x tensor
   assert_bitwise_equal(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, state))
 
 
 @pytest.mark.integration
 def test_nan_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(
-    helpers, tfds_dir, tmp_path):
-  config = helpers.override(helpers.load_config('lm', 'tiny'), {
-      **helpers.small_model, 'model.num_decoder_layers': 1, 'data.tfds_data_dir': tfds_dir,
-      'num_train_steps': 20, 'checkpoint_every_steps': 1, 'log_every_steps': 10,
-      'peak_flops_per_device': 1e11,
-      # The first update makes parameters ~1e37; the next forward pass overflows.
-      'learning_rate': 1e37, 'warmup_steps': 0, 'lr_schedule': 'constant',
-      'grad_clip_norm': 0.0, 'async_checkpointing': True})
+    helpers, tfds_dir, tmp_path
+):
+  config = helpers.override(
+      helpers.load_config('lm', 'tiny'),
+      {
+          **helpers.small_model,
+          'model.num_decoder_layers': 1,
+          'data.tfds_data_dir': tfds_dir,
+          'num_train_steps': 20,
+          'checkpoint_every_steps': 1,
+          'log_every_steps': 10,
+          'peak_flops_per_device': 1e11,
+          # The first update makes parameters ~1e37; the next forward pass overflows.
+          'learning_rate': 1e37,
+          'warmup_steps': 0,
+          'lr_schedule': 'constant',
+          'grad_clip_norm': 0.0,
+          'async_checkpointing': True,
+      },
+  )
   with pytest.raises(train.NonFiniteError, match=r'step 2: non-finite loss=nan') as error:
     train.train_and_evaluate(config, str(tmp_path))
   assert 'the last good checkpoint is step 1' in str(error.value)

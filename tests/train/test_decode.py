@@ -16,9 +16,18 @@ V, BOS, EOS, MAX = 12, 1, 2, 5
 def model_state(request):
   attention = models.AttentionSpec(num_heads=2, kind=request.param)
   cfg = models.TransformerConfig(
-      vocab_size=V, emb_dim=16, mlp_dim=32, num_encoder_layers=1, num_decoder_layers=2,
-      encoder_attention=attention, decoder_attention=attention, cross_attention=attention,
-      max_length=16, dropout_rate=0.0, tie_embeddings=False)
+      vocab_size=V,
+      emb_dim=16,
+      mlp_dim=32,
+      num_encoder_layers=1,
+      num_decoder_layers=2,
+      encoder_attention=attention,
+      decoder_attention=attention,
+      cross_attention=attention,
+      max_length=16,
+      dropout_rate=0.0,
+      tie_embeddings=False,
+  )
   model = models.EncoderDecoder(cfg, bos_id=BOS, rngs=nnx.Rngs(0))
   # Make EOS likely enough that some hypotheses finish early.
   # An EOS logit of 0 (neither likely nor rare) makes hypotheses end at different lengths
@@ -37,20 +46,25 @@ def sources():
 
 def log_probs_fn(graphdef, params, inputs):
   """Next-token log-probabilities after a whole prefix, recomputed without any cache."""
+
   @jax.jit
   def fn(prefix):
     model = nnx.merge(graphdef, params)
     encoded, _ = model.encode(inputs)
     logits, _ = model.decode(encoded, inputs, prefix)
     return jax.nn.log_softmax(logits[:, -1].at[:, 0].set(-jnp.inf))  # never padding
+
   return fn
 
 
 def test_cached_greedy_equals_recomputed_greedy(model_state):
   graphdef, params = model_state
   inputs = sources()
-  out = np.asarray(decode.translate(graphdef, params, inputs, bos_id=BOS, eos_id=EOS,
-                                    max_length=MAX, beam_size=1))
+  out = np.asarray(
+      decode.translate(
+          graphdef, params, inputs, bos_id=BOS, eos_id=EOS, max_length=MAX, beam_size=1
+      )
+  )
   fn = log_probs_fn(graphdef, params, inputs)
   prefix = np.full((3, 1), BOS, np.int32)
   expected = np.zeros((3, MAX), np.int32)
@@ -73,15 +87,21 @@ def reference_beam_search(fn, batch, k, alpha):
     prefixes = [[(BOS,) + seq for seq, _ in rows] for rows in live]
     for b in range(batch):
       logp = np.asarray(fn(jnp.asarray(prefixes[b], jnp.int32)))
-      candidates = sorted(((score + logp[j, t], seq + (t,)) for j, (seq, score) in
-                           enumerate(live[b]) for t in range(V)), key=lambda c: -c[0])[:2 * k]
+      candidates = sorted(
+          (
+              (score + logp[j, t], seq + (t,))
+              for j, (seq, score) in enumerate(live[b])
+              for t in range(V)
+          ),
+          key=lambda c: -c[0],
+      )[: 2 * k]
       finished[b] += [(seq, s / lp(i + 1)) for s, seq in candidates if seq[-1] == EOS]
       finished[b] = sorted(finished[b], key=lambda c: -c[1])[:k]
       live[b] = [(seq, s) for s, seq in candidates if seq[-1] != EOS][:k]
   out = np.zeros((batch, MAX), np.int32)
   for b in range(batch):
     seq = finished[b][0][0] if finished[b] else live[b][0][0]
-    out[b, :len(seq)] = seq
+    out[b, : len(seq)] = seq
   return out
 
 
@@ -89,21 +109,34 @@ def test_cached_beam_search_equals_recomputed_beam_search(model_state):
   graphdef, params = model_state
   inputs = sources()
   k, alpha = 3, 2.0  # a strong length penalty: long hypotheses compete with early EOS
-  out = np.asarray(decode.translate(graphdef, params, inputs, bos_id=BOS, eos_id=EOS,
-                                    max_length=MAX, beam_size=k, length_penalty=alpha))
+  out = np.asarray(
+      decode.translate(
+          graphdef,
+          params,
+          inputs,
+          bos_id=BOS,
+          eos_id=EOS,
+          max_length=MAX,
+          beam_size=k,
+          length_penalty=alpha,
+      )
+  )
   rows = []
   for b in range(inputs.shape[0]):
-    row_inputs = inputs[b:b + 1]
+    row_inputs = inputs[b : b + 1]
     single = log_probs_fn(graphdef, params, jnp.repeat(row_inputs, k, axis=0))
     fn = lambda prefixes, single=single: single(
         jnp.concatenate([prefixes, jnp.repeat(prefixes[-1:], k - len(prefixes), 0)])
-        )[:len(prefixes)]
+    )[: len(prefixes)]
     rows.append(reference_beam_search(fn, 1, k, alpha)[0])
   # The jitted search stops early once no live hypothesis can win; that never changes the
   # answer, so the results agree with the exhaustive-length reference.
   np.testing.assert_array_equal(out, np.stack(rows))
-  greedy = np.asarray(decode.translate(graphdef, params, inputs, bos_id=BOS, eos_id=EOS,
-                                       max_length=MAX, beam_size=1))
+  greedy = np.asarray(
+      decode.translate(
+          graphdef, params, inputs, bos_id=BOS, eos_id=EOS, max_length=MAX, beam_size=1
+      )
+  )
   assert not np.array_equal(out, greedy)  # the search did something greedy would not
 
 
@@ -155,8 +188,11 @@ def _best_finished(b, alpha):
 
 def test_length_penalty_ranks_finished_hypotheses_of_different_lengths():
   k, length = 2, STOP.shape[1]
-  search = jax.jit(lambda alpha: decode._beam_search(
-      _scripted_step, {'row': jnp.arange(2 * k) // k}, 2, k, BOS, EOS, length, alpha))
+  search = jax.jit(
+      lambda alpha: decode._beam_search(
+          _scripted_step, {'row': jnp.arange(2 * k) // k}, 2, k, BOS, EOS, length, alpha
+      )
+  )
   chosen = set()
   # Between alpha 0 (short wins) and 2 (long wins) the winner changes at alphas that move
   # with any change to the penalty's form or to what counts as a hypothesis' length.
@@ -175,6 +211,7 @@ def test_bleu_is_cased_and_13a_tokenised_by_hand():
   1- to 4-gram precisions are 6/7, 5/6, 4/5, 3/4 and the brevity penalty 1."""
   reference = 'the cat sat on the mat.'
   scores = decode.score(['The cat sat on the mat.'], [reference])
-  np.testing.assert_allclose(scores['bleu'], 100 * (6 / 7 * 5 / 6 * 4 / 5 * 3 / 4) ** 0.25,
-                             rtol=1e-9)
+  np.testing.assert_allclose(
+      scores['bleu'], 100 * (6 / 7 * 5 / 6 * 4 / 5 * 3 / 4) ** 0.25, rtol=1e-9
+  )
   np.testing.assert_allclose(decode.score([reference], [reference])['bleu'], 100.0, rtol=1e-12)

@@ -22,11 +22,22 @@ pytestmark = pytest.mark.integration  # trains end to end, or starts the command
 
 def small_config(helpers, tfds_dir, **extra):
   config = helpers.load_config('lm', 'tiny')
-  return helpers.override(config, {
-      **helpers.small_model, 'model.num_decoder_layers': 1, 'data.tfds_data_dir': tfds_dir,
-      'per_device_batch_size': 1, 'checkpoint_every_steps': 3, 'keep_checkpoints': 3,
-      'eval_every_steps': 0, 'num_eval_steps': 1, 'log_every_steps': 3,
-      'peak_flops_per_device': 1e11, **extra})
+  return helpers.override(
+      config,
+      {
+          **helpers.small_model,
+          'model.num_decoder_layers': 1,
+          'data.tfds_data_dir': tfds_dir,
+          'per_device_batch_size': 1,
+          'checkpoint_every_steps': 3,
+          'keep_checkpoints': 3,
+          'eval_every_steps': 0,
+          'num_eval_steps': 1,
+          'log_every_steps': 3,
+          'peak_flops_per_device': 1e11,
+          **extra,
+      },
+  )
 
 
 def committed(workdir) -> list[int]:
@@ -35,6 +46,7 @@ def committed(workdir) -> list[int]:
 
 
 # ------------------------------------------------------------------------ damaged checkpoints
+
 
 @pytest.fixture(scope='module')
 def six_steps(helpers, tfds_dir, tmp_path_factory):
@@ -49,7 +61,7 @@ def truncate_the_array_files(step_dir: pathlib.Path) -> str:
   """The second half of every TensorStore data file (`state/**/d/<hash>`) is cut off."""
   files = [p for p in (step_dir / 'state').rglob('*') if p.is_file() and p.parent.name == 'd']
   for path in files:
-    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
   return str(max(files, key=lambda p: p.stat().st_size).relative_to(step_dir))
 
 
@@ -64,29 +76,40 @@ def garble_the_input_positions(step_dir: pathlib.Path) -> str:
   return 'data/metadata'
 
 
-@pytest.mark.parametrize('damage,reason', [
-    (truncate_the_array_files, 'ValueError: OUT_OF_RANGE'),  # TensorStore's
-    (empty_the_directory, 'KeyError'),
-    (garble_the_input_positions, 'JSONDecodeError'),
-])
+@pytest.mark.parametrize(
+    'damage,reason',
+    [
+        (truncate_the_array_files, 'ValueError: OUT_OF_RANGE'),  # TensorStore's
+        (empty_the_directory, 'KeyError'),
+        (garble_the_input_positions, 'JSONDecodeError'),
+    ],
+)
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(
-    damage, reason, helpers, tfds_dir, six_steps, tmp_path, capsys):
+    damage, reason, helpers, tfds_dir, six_steps, tmp_path, capsys
+):
   workdir = tmp_path / 'run'
   shutil.copytree(six_steps, workdir)
   damaged_file = damage(workdir / checkpoints.CHECKPOINT_DIR / '6')
-  damaged_bytes = (workdir / checkpoints.CHECKPOINT_DIR / '6' / damaged_file).read_bytes() if (
-      damaged_file) else None
+  damaged_bytes = (
+      (workdir / checkpoints.CHECKPOINT_DIR / '6' / damaged_file).read_bytes()
+      if (damaged_file)
+      else None
+  )
   capsys.readouterr()
 
-  result = train.train_and_evaluate(small_config(helpers, tfds_dir, num_train_steps=9),
-                                    str(workdir))
+  result = train.train_and_evaluate(
+      small_config(helpers, tfds_dir, num_train_steps=9), str(workdir)
+  )
   out = capsys.readouterr().out
   assert result['step'] == 9
   moved = workdir / checkpoints.DAMAGED_DIR / '6'
   skipped = [line for line in out.splitlines() if 'is damaged' in line]
   assert len(skipped) == 1, out
-  assert re.fullmatch(rf'checkpoint step 6 is damaged \({reason}.*\); skipped it and moved it '
-                      rf'to {re.escape(str(moved))}', skipped[0]), skipped[0]
+  assert re.fullmatch(
+      rf'checkpoint step 6 is damaged \({reason}.*\); skipped it and moved it '
+      rf'to {re.escape(str(moved))}',
+      skipped[0],
+  ), skipped[0]
   assert 'resumed from step 3 ' in out, out
   # Kept as it was, out of the way: steps 6 and 9 were saved anew.
   assert moved.is_dir() and committed(workdir) == [3, 6, 9]
@@ -98,13 +121,17 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(
 
 
 def test_when_no_checkpoint_restores_nothing_is_moved_and_the_run_stops(
-    helpers, tfds_dir, six_steps, tmp_path):
+    helpers, tfds_dir, six_steps, tmp_path
+):
   workdir = tmp_path / 'run'
   shutil.copytree(six_steps, workdir)
   for step in ('3', '6'):
     garble_the_input_positions(workdir / checkpoints.CHECKPOINT_DIR / step)
-  with pytest.raises(checkpoints.CheckpointError, match=r'no checkpoint .* could be restored.*'
-                     r'step 6: JSONDecodeError.*; step 3: JSONDecodeError') as error:
+  with pytest.raises(
+      checkpoints.CheckpointError,
+      match=r'no checkpoint .* could be restored.*'
+      r'step 6: JSONDecodeError.*; step 3: JSONDecodeError',
+  ) as error:
     train.train_and_evaluate(small_config(helpers, tfds_dir, num_train_steps=9), str(workdir))
   assert '\n' not in str(error.value)
   assert committed(workdir) == [3, 6] and not (workdir / checkpoints.DAMAGED_DIR).exists()
@@ -112,28 +139,43 @@ def test_when_no_checkpoint_restores_nothing_is_moved_and_the_run_stops(
 
 # ------------------------------------------------------------------------ two runs, one workdir
 
-HOLD_THE_LOCK = '''
+HOLD_THE_LOCK = """
 import sys
 from lowrank_attn.train import checkpoints
 lock = checkpoints.WorkdirLock(sys.argv[1])
 print('locked', flush=True)
 sys.stdin.read()
-'''
+"""
 
 
-def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_holder(
-    helpers, tfds_dir, tmp_path):
+def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_holder(helpers, tfds_dir, tmp_path):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  holder = subprocess.Popen([sys.executable, '-c', HOLD_THE_LOCK, str(tmp_path)],
-                            cwd=helpers.root, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+  holder = subprocess.Popen(
+      [sys.executable, '-c', HOLD_THE_LOCK, str(tmp_path)],
+      cwd=helpers.root,
+      env=env,
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+  )
   try:
     assert holder.stdout.readline() == 'locked\n'
     values = {**helpers.small_model, 'data.tfds_data_dir': tfds_dir}
     second = subprocess.run(
-        [sys.executable, '-m', 'lowrank_attn.main', '--config=configs/lm.py:tiny',
-         f'--workdir={tmp_path}', *helpers.cli_overrides(values)],
-        cwd=helpers.root, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            '-m',
+            'lowrank_attn.main',
+            '--config=configs/lm.py:tiny',
+            f'--workdir={tmp_path}',
+            *helpers.cli_overrides(values),
+        ],
+        cwd=helpers.root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
   finally:
     holder.kill()  # SIGKILL: the kernel releases its lock
     holder.wait()
@@ -147,6 +189,7 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_holder(
 
 
 # --------------------------------------------------------------------------------- disk full
+
 
 def failing_second_json_save(monkeypatch) -> list[str]:
   """Makes the second checkpoint's input-position file fail with ENOSPC in the background
@@ -176,25 +219,32 @@ def test_a_failed_background_save_is_reported_by_check(helpers, tmp_path, monkey
   checkpointer.save(2, state, {'position': 2})  # (waits for step 1 first)
   while checkpointer._manager.is_saving_in_progress():
     pass
-  with pytest.raises(checkpoints.CheckpointError, match=r'saving checkpoint step 2 .* failed: '
-                     r'OSError: \[Errno 28\] No space left on device \(disk full.*the last good '
-                     r'checkpoint is step 1\.$'):
+  with pytest.raises(
+      checkpoints.CheckpointError,
+      match=r'saving checkpoint step 2 .* failed: '
+      r'OSError: \[Errno 28\] No space left on device \(disk full.*the last good '
+      r'checkpoint is step 1\.$',
+  ):
     checkpointer.check()
   checkpointer.close()
   assert committed(tmp_path) == [1]  # keep=1, yet the last good one stays
 
 
 def test_disk_full_during_an_async_save_stops_the_run_at_that_save(
-    helpers, tfds_dir, tmp_path, monkeypatch):
+    helpers, tfds_dir, tmp_path, monkeypatch
+):
   calls = failing_second_json_save(monkeypatch)
-  config = small_config(helpers, tfds_dir, num_train_steps=12, keep_checkpoints=1,
-                        async_checkpointing=True)
+  config = small_config(
+      helpers, tfds_dir, num_train_steps=12, keep_checkpoints=1, async_checkpointing=True
+  )
   with pytest.raises(checkpoints.CheckpointError) as error:
     train.train_and_evaluate(config, str(tmp_path))
   message = str(error.value)
   assert '\n' not in message
-  assert message.startswith(f'saving checkpoint step 6 to {tmp_path}/checkpoints failed: OSError: '
-                            '[Errno 28] No space left on device'), message
+  assert message.startswith(
+      f'saving checkpoint step 6 to {tmp_path}/checkpoints failed: OSError: '
+      '[Errno 28] No space left on device'
+  ), message
   assert message.endswith('the last good checkpoint is step 3.'), message
   assert len(calls) <= 3, calls  # no save after the next one was attempted
   assert committed(tmp_path) == [3]

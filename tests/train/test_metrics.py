@@ -45,21 +45,30 @@ def test_no_published_peak_no_mfu():
 @pytest.mark.integration  # starts Python
 def test_the_chip_table_travels_with_the_package(tmp_path):
   """An installed (not editable) package has no tpu/ folder beside it; the peak is still found."""
-  shutil.copytree(PACKAGE, tmp_path / 'lowrank_attn',
-                  ignore=shutil.ignore_patterns('__pycache__'))
-  code = ('import types; from lowrank_attn.train import metrics; '
-          "v5e = types.SimpleNamespace(platform='tpu', device_kind='TPU v5 lite'); "
-          'print(metrics.__file__); print(metrics.peak_flops_per_device(device=v5e).source)')
+  shutil.copytree(PACKAGE, tmp_path / 'lowrank_attn', ignore=shutil.ignore_patterns('__pycache__'))
+  code = (
+      'import types; from lowrank_attn.train import metrics; '
+      "v5e = types.SimpleNamespace(platform='tpu', device_kind='TPU v5 lite'); "
+      'print(metrics.__file__); print(metrics.peak_flops_per_device(device=v5e).source)'
+  )
   env = {**os.environ, 'PYTHONPATH': str(tmp_path), 'JAX_PLATFORMS': 'cpu'}
-  out = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env, check=True,
-                       capture_output=True, text=True, timeout=120).stdout.splitlines()
+  out = subprocess.run(
+      [sys.executable, '-c', code],
+      cwd=tmp_path,
+      env=env,
+      check=True,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  ).stdout.splitlines()
   assert out[-2].startswith(str(tmp_path))  # the copy, not this checkout
   assert out[-1].startswith('published bf16 peak of v5e'), out[-1]
 
 
 def progress_after(monkeypatch, peak, steps=4, secs=2.0):
-  progress = metrics.Progress(num_train_steps=10, tokens_per_step=100, flops_per_step=3e9,
-                              peak_flops=peak, every_secs=1.0)
+  progress = metrics.Progress(
+      num_train_steps=10, tokens_per_step=100, flops_per_step=3e9, peak_flops=peak, every_secs=1.0
+  )
   clock = iter([0.0, secs])
   monkeypatch.setattr(metrics.time, 'perf_counter', lambda: next(clock))
   progress.resume()
@@ -89,13 +98,15 @@ def test_without_a_peak_only_gflops_are_shown(capsys, monkeypatch):
 def test_an_mfu_above_100_percent_says_its_peak_is_wrong(monkeypatch):
   progress = progress_after(monkeypatch, metrics.PeakFlops(5e9, 'config.peak_flops_per_device'))
   assert metrics.format_throughput(progress.rates()) == (
-      '6 GFLOP/s = MFU 120.0% (above 100%: the peak it divides by is too low)')
+      '6 GFLOP/s = MFU 120.0% (above 100%: the peak it divides by is too low)'
+  )
 
 
 def test_training_loop_divides_by_the_published_peak_or_none(monkeypatch):
   """train.py's peak: the device's published figure (not a matmul probe), with its source;
   none on CPU; the config's when given."""
   from lowrank_attn.train import config as config_lib, train
+
   config = config_lib.base_config('lm')
   assert train._peak_flops(config, jax.numpy.float32) is None  # CPU
   config.peak_flops_per_device = 1e11
@@ -106,5 +117,7 @@ def test_training_loop_divides_by_the_published_peak_or_none(monkeypatch):
   monkeypatch.setattr(jax, 'local_devices', lambda: [V5E])
   peak = train._peak_flops(config, jax.numpy.float32)
   assert float(peak) == jax.device_count() * 197e12
-  assert peak.source.startswith(f'{jax.device_count()} x 197,000 GFLOP/s, published bf16 peak '
-                                'of v5e (https://cloud.google.com/tpu/docs/v5e)')
+  assert peak.source.startswith(
+      f'{jax.device_count()} x 197,000 GFLOP/s, published bf16 peak '
+      'of v5e (https://cloud.google.com/tpu/docs/v5e)'
+  )

@@ -27,9 +27,16 @@ def free_port() -> int:
 def run_two_processes(workdir, tfds_dir, steps):
   port = str(free_port())
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  processes = [subprocess.Popen(
-      [sys.executable, str(WORKER), str(i), port, str(workdir), tfds_dir, str(steps)],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  processes = [
+      subprocess.Popen(
+          [sys.executable, str(WORKER), str(i), port, str(workdir), tfds_dir, str(steps)],
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+      )
+      for i in range(2)
+  ]
   outputs = [p.communicate(timeout=300)[0] for p in processes]
   for p, out in zip(processes, outputs):
     assert p.returncode == 0, out
@@ -40,8 +47,9 @@ def prepare(helpers, workdir, tfds_dir):
   """Builds the data set and tokenizer once, so the two processes only read them."""
   config = helpers.load_config('lm', 'tiny')
   config.data.tfds_data_dir = tfds_dir
-  tasks.make_pipeline(config.data, split='train', seed=0, global_batch_size=4, train=True,
-                     workdir=str(workdir))
+  tasks.make_pipeline(
+      config.data, split='train', seed=0, global_batch_size=4, train=True, workdir=str(workdir)
+  )
 
 
 @pytest.mark.slow

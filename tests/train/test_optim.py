@@ -21,37 +21,78 @@ from lowrank_attn.train import optim, state as state_lib
 
 
 def _config(**fields):
-  return models.TransformerConfig(**{'vocab_size': 11, 'emb_dim': 8, 'mlp_dim': 16,
-                                     'max_length': 8, **fields})
+  return models.TransformerConfig(
+      **{'vocab_size': 11, 'emb_dim': 8, 'mlp_dim': 16, 'max_length': 8, **fields}
+  )
 
 
 # name -> (model, config): every model kind, every attention kind, with and without biases,
 # tied and untied embeddings, learned and sinusoidal positions, token types, post-LN.
 MODELS = {
-    'lm_concat_untied': ('lm', _config(
-        num_decoder_layers=1, decoder_attention=AttentionSpec(num_heads=2),
-        tie_embeddings=False)),
-    'lm_talking_heads_no_bias_tied_sinusoidal': ('lm', _config(
-        num_decoder_layers=1, positions='sinusoidal',
-        decoder_attention=AttentionSpec(num_heads=2, kind='talking_heads', use_bias=False))),
-    'lm_fixed_head_gated_qk_norm': ('lm', _config(
-        num_decoder_layers=1, decoder_attention=AttentionSpec(
-            num_heads=2, kind='fixed_head', head_dim=2, gated=True, normalize_qk=True))),
-    'mlm_collaborative_token_types_post_ln': ('mlm', _config(
-        num_encoder_layers=1, type_vocab_size=2, norm='post',
-        encoder_attention=AttentionSpec(num_heads=2, kind='collaborative', key_dim=4))),
-    'mlm_collaborative_no_bias_untied': ('mlm', _config(
-        num_encoder_layers=1, tie_embeddings=False, encoder_attention=AttentionSpec(
-            num_heads=2, kind='collaborative', key_dim=4, use_bias=False))),
-    'nmt_gated_fixed_head_collaborative_talking_heads': ('nmt', _config(
-        num_encoder_layers=1, num_decoder_layers=1, tie_embeddings=False,
-        encoder_attention=AttentionSpec(num_heads=2, kind='fixed_head', head_dim=2, gated=True),
-        decoder_attention=AttentionSpec(num_heads=2, kind='collaborative', key_dim=4,
-                                        use_bias=False),
-        cross_attention=AttentionSpec(num_heads=2, kind='talking_heads'))),
-    'glue_classifier_token_types': ('glue', _config(
-        num_encoder_layers=1, type_vocab_size=2, norm='post',
-        encoder_attention=AttentionSpec(num_heads=2))),
+    'lm_concat_untied': (
+        'lm',
+        _config(
+            num_decoder_layers=1, decoder_attention=AttentionSpec(num_heads=2), tie_embeddings=False
+        ),
+    ),
+    'lm_talking_heads_no_bias_tied_sinusoidal': (
+        'lm',
+        _config(
+            num_decoder_layers=1,
+            positions='sinusoidal',
+            decoder_attention=AttentionSpec(num_heads=2, kind='talking_heads', use_bias=False),
+        ),
+    ),
+    'lm_fixed_head_gated_qk_norm': (
+        'lm',
+        _config(
+            num_decoder_layers=1,
+            decoder_attention=AttentionSpec(
+                num_heads=2, kind='fixed_head', head_dim=2, gated=True, normalize_qk=True
+            ),
+        ),
+    ),
+    'mlm_collaborative_token_types_post_ln': (
+        'mlm',
+        _config(
+            num_encoder_layers=1,
+            type_vocab_size=2,
+            norm='post',
+            encoder_attention=AttentionSpec(num_heads=2, kind='collaborative', key_dim=4),
+        ),
+    ),
+    'mlm_collaborative_no_bias_untied': (
+        'mlm',
+        _config(
+            num_encoder_layers=1,
+            tie_embeddings=False,
+            encoder_attention=AttentionSpec(
+                num_heads=2, kind='collaborative', key_dim=4, use_bias=False
+            ),
+        ),
+    ),
+    'nmt_gated_fixed_head_collaborative_talking_heads': (
+        'nmt',
+        _config(
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            tie_embeddings=False,
+            encoder_attention=AttentionSpec(num_heads=2, kind='fixed_head', head_dim=2, gated=True),
+            decoder_attention=AttentionSpec(
+                num_heads=2, kind='collaborative', key_dim=4, use_bias=False
+            ),
+            cross_attention=AttentionSpec(num_heads=2, kind='talking_heads'),
+        ),
+    ),
+    'glue_classifier_token_types': (
+        'glue',
+        _config(
+            num_encoder_layers=1,
+            type_vocab_size=2,
+            norm='post',
+            encoder_attention=AttentionSpec(num_heads=2),
+        ),
+    ),
 }
 
 # Exactly the parameters that decay (checked by hand): kernels and embeddings. Never biases
@@ -150,18 +191,23 @@ DECAYED = {
 
 
 def _abstract_params(kind: str, cfg: models.TransformerConfig) -> nnx.State:
-  build = {'lm': lambda: models.DecoderLM(cfg, rngs=nnx.Rngs(0)),
-           'mlm': lambda: models.EncoderMLM(cfg, rngs=nnx.Rngs(0)),
-           'nmt': lambda: models.EncoderDecoder(cfg, bos_id=1, rngs=nnx.Rngs(0)),
-           'glue': lambda: glue.SentenceClassifier(cfg, num_outputs=2, pooling='mean',
-                                                   classifier_dropout=0.1,
-                                                   rngs=nnx.Rngs(0))}[kind]
+  build = {
+      'lm': lambda: models.DecoderLM(cfg, rngs=nnx.Rngs(0)),
+      'mlm': lambda: models.EncoderMLM(cfg, rngs=nnx.Rngs(0)),
+      'nmt': lambda: models.EncoderDecoder(cfg, bos_id=1, rngs=nnx.Rngs(0)),
+      'glue': lambda: glue.SentenceClassifier(
+          cfg, num_outputs=2, pooling='mean', classifier_dropout=0.1, rngs=nnx.Rngs(0)
+      ),
+  }[kind]
   return nnx.state(nnx.eval_shape(build), nnx.Param)
 
 
 def _paths(tree, keep=lambda leaf: True) -> list[str]:
-  return sorted(state_lib.parameter_path(p) for p, leaf in
-                jax.tree_util.tree_flatten_with_path(tree)[0] if keep(leaf))
+  return sorted(
+      state_lib.parameter_path(p)
+      for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+      if keep(leaf)
+  )
 
 
 @pytest.mark.parametrize('name', MODELS)
@@ -179,14 +225,17 @@ class _Layer(nnx.Module):
     setattr(self, name, nnx.Param(jnp.zeros(shape), **metadata))
 
 
-@pytest.mark.parametrize('name,shape,axes,message', [
-    # A new kind of parameter must be classified, not decayed (or spared) by default.
-    ('alibi_slopes', (4,), ('heads',), r'layer/alibi_slopes: no weight-decay role .*ROLES'),
-    # A vector or a head-space parameter named like a kernel is not one.
-    ('kernel', (8,), ('embed',), r'layer/kernel is named as a kernel but its logical axes'),
-    ('query_kernel', (4, 4), ('heads', 'kv'), r"logical axes \('heads', 'kv'\) are not"),
-    ('embedding', (11, 8), None, r'layer/embedding \(embedding\) carries no logical axes'),
-])
+@pytest.mark.parametrize(
+    'name,shape,axes,message',
+    [
+        # A new kind of parameter must be classified, not decayed (or spared) by default.
+        ('alibi_slopes', (4,), ('heads',), r'layer/alibi_slopes: no weight-decay role .*ROLES'),
+        # A vector or a head-space parameter named like a kernel is not one.
+        ('kernel', (8,), ('embed',), r'layer/kernel is named as a kernel but its logical axes'),
+        ('query_kernel', (4, 4), ('heads', 'kv'), r"logical axes \('heads', 'kv'\) are not"),
+        ('embedding', (11, 8), None, r'layer/embedding \(embedding\) carries no logical axes'),
+    ],
+)
 def test_unclassified_parameters_fail_loudly(name, shape, axes, message):
   params = nnx.state({'layer': _Layer(name, shape, axes)}, nnx.Param)
   with pytest.raises(ValueError, match=message):
@@ -203,8 +252,11 @@ def test_setup_decays_what_the_mask_says(trainable, helpers):
   params = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), s.abstract_state['params'])
   updates, _ = s.tx.update(jax.tree.map(jnp.zeros_like, params), s.tx.init(params), params)
   moved = _paths(updates, keep=lambda u: bool(jnp.any(u != 0)))
-  expected = [p for p in _paths(optim.weight_decay_mask(
-      nnx.state(s.abstract_model, nnx.Param)), keep=bool) if trainable is None or trainable in p]
+  expected = [
+      p
+      for p in _paths(optim.weight_decay_mask(nnx.state(s.abstract_model, nnx.Param)), keep=bool)
+      if trainable is None or trainable in p
+  ]
   assert moved == expected
   assert moved and all(p.endswith(('kernel', 'embedding', 'position_table')) for p in moved)
   for path, update in jax.tree_util.tree_flatten_with_path(updates)[0]:
@@ -236,20 +288,21 @@ def _reference_lr(step, *, lr, warmup, total, decay, end):
 @pytest.mark.parametrize('warmup,end', [(0, 0.0), (10, 0.0), (10, 0.1), (0, 0.25)])
 def test_schedules_match_closed_forms(decay, warmup, end):
   lr, total = 3e-3, 50
-  schedule = optim.learning_rate_schedule(learning_rate=lr, warmup_steps=warmup,
-                                          num_train_steps=total, decay=decay, end_factor=end)
+  schedule = optim.learning_rate_schedule(
+      learning_rate=lr, warmup_steps=warmup, num_train_steps=total, decay=decay, end_factor=end
+  )
   steps = np.arange(total + 10)  # past the end: cosine and linear stay at lr x end
   got = np.asarray(schedule(jnp.asarray(steps)))
-  want = np.array([_reference_lr(s, lr=lr, warmup=warmup, total=total, decay=decay, end=end)
-                   for s in steps])
+  want = np.array(
+      [_reference_lr(s, lr=lr, warmup=warmup, total=total, decay=decay, end=end) for s in steps]
+  )
   np.testing.assert_allclose(got, want, rtol=2e-6, atol=lr * 1e-7)  # float32
   assert got.max() == pytest.approx(lr, rel=1e-6)
 
 
 def test_unknown_schedule_names_the_field():
   with pytest.raises(ValueError, match=r"config\.lr_schedule='exp'"):
-    optim.learning_rate_schedule(learning_rate=1.0, warmup_steps=0, num_train_steps=10,
-                                 decay='exp')
+    optim.learning_rate_schedule(learning_rate=1.0, warmup_steps=0, num_train_steps=10, decay='exp')
 
 
 # ---------------------------------------------------------------------------- AdamW
@@ -268,7 +321,7 @@ def _numpy_adamw(params, grads_per_step, decayed, *, lrs, b1, b2, eps, weight_de
       g = grads[k] * scale
       m[k] = b1 * m[k] + (1 - b1) * g
       v[k] = b2 * v[k] + (1 - b2) * g * g
-      step = (m[k] / (1 - b1 ** t)) / (np.sqrt(v[k] / (1 - b2 ** t)) + eps)
+      step = (m[k] / (1 - b1**t)) / (np.sqrt(v[k] / (1 - b2**t)) + eps)
       if decayed[k]:
         step = step + weight_decay * params[k]
       params[k] = params[k] - lr * step
@@ -278,16 +331,21 @@ def _numpy_adamw(params, grads_per_step, decayed, *, lrs, b1, b2, eps, weight_de
 def test_adamw_matches_numpy_and_spares_the_bias():
   rng = np.random.default_rng(0)
   # A per-head bias is a matrix too: the case the old `ndim > 1` rule decayed.
-  params = {'query_kernel': rng.normal(size=(4, 2, 3)).astype(np.float32),
-            'query_bias': rng.normal(size=(2, 3)).astype(np.float32)}
+  params = {
+      'query_kernel': rng.normal(size=(4, 2, 3)).astype(np.float32),
+      'query_bias': rng.normal(size=(2, 3)).astype(np.float32),
+  }
   decayed = {'query_kernel': True, 'query_bias': False}
   # Global norms ~0.2, ~4 and ~0.4 around the clip norm 1: clipped on one step only (a clip
   # applied on every step, or at another norm, rescales every step alike, which Adam cancels).
-  grads = [{k: (f * rng.normal(size=p.shape)).astype(np.float32) for k, p in params.items()}
-           for f in (0.05, 1.0, 0.1)]
+  grads = [
+      {k: (f * rng.normal(size=p.shape)).astype(np.float32) for k, p in params.items()}
+      for f in (0.05, 1.0, 0.1)
+  ]
   hyper = dict(b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1)
-  schedule = optim.learning_rate_schedule(learning_rate=0.05, warmup_steps=2,
-                                          num_train_steps=3, decay='linear')
+  schedule = optim.learning_rate_schedule(
+      learning_rate=0.05, warmup_steps=2, num_train_steps=3, decay='linear'
+  )
   tx = optim.make_optimizer(schedule, **hyper, grad_clip_norm=1.0, decay_mask=decayed)
   state, got = tx.init(params), dict(params)
   for g in grads:
@@ -297,8 +355,9 @@ def test_adamw_matches_numpy_and_spares_the_bias():
   for k in params:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
   # And the decay made a difference where it applies, none where it does not.
-  undecayed = _numpy_adamw(params, grads, decayed, lrs=[0.0, 0.025, 0.05], clip=1.0,
-                           **{**hyper, 'weight_decay': 0.0})
+  undecayed = _numpy_adamw(
+      params, grads, decayed, lrs=[0.0, 0.025, 0.05], clip=1.0, **{**hyper, 'weight_decay': 0.0}
+  )
   assert np.abs(want['query_kernel'] - undecayed['query_kernel']).max() > 1e-4
   np.testing.assert_array_equal(want['query_bias'], undecayed['query_bias'])
 
@@ -307,21 +366,30 @@ def test_gates_get_their_own_learning_rate_on_the_same_schedule():
   """config.gate_learning_rate: the gate's AdamW step is the numpy one at the gate rate times
   the schedule's shape, every other parameter's at the model's rate."""
   rng = np.random.default_rng(1)
-  params = {'query_kernel': rng.normal(size=(4, 2, 3)).astype(np.float32),
-            'gate_log_alpha': rng.normal(size=(2,)).astype(np.float32)}
+  params = {
+      'query_kernel': rng.normal(size=(4, 2, 3)).astype(np.float32),
+      'gate_log_alpha': rng.normal(size=(2,)).astype(np.float32),
+  }
   decayed = {'query_kernel': True, 'gate_log_alpha': False}
-  grads = [{k: (0.1 * rng.normal(size=p.shape)).astype(np.float32) for k, p in params.items()}
-           for _ in range(3)]
+  grads = [
+      {k: (0.1 * rng.normal(size=p.shape)).astype(np.float32) for k, p in params.items()}
+      for _ in range(3)
+  ]
   hyper = dict(b1=0.9, b2=0.999, eps=1e-6, weight_decay=0.01)
-  schedule = optim.learning_rate_schedule(learning_rate=5e-5, warmup_steps=2,
-                                          num_train_steps=3, decay='linear')
-  abstract = nnx.State({
-      'query_kernel': nnx.Param(jnp.zeros((4, 2, 3))),
-      'gate_log_alpha': nnx.Param(jnp.zeros((2,)))})
+  schedule = optim.learning_rate_schedule(
+      learning_rate=5e-5, warmup_steps=2, num_train_steps=3, decay='linear'
+  )
+  abstract = nnx.State(
+      {
+          'query_kernel': nnx.Param(jnp.zeros((4, 2, 3))),
+          'gate_log_alpha': nnx.Param(jnp.zeros((2,))),
+      }
+  )
   scales = optim.role_scales(abstract, {'gate': 0.05 / 5e-5})
   assert scales == {'query_kernel': 1.0, 'gate_log_alpha': pytest.approx(1000.0)}
-  tx = optim.make_optimizer(schedule, **hyper, grad_clip_norm=0.0, decay_mask=decayed,
-                            update_scales=scales)
+  tx = optim.make_optimizer(
+      schedule, **hyper, grad_clip_norm=0.0, decay_mask=decayed, update_scales=scales
+  )
   state, got = tx.init(params), dict(params)
   for g in grads:
     updates, state = tx.update(g, state, got)
@@ -329,14 +397,14 @@ def test_gates_get_their_own_learning_rate_on_the_same_schedule():
   kernel = _numpy_adamw(params, grads, decayed, lrs=[0.0, 2.5e-5, 5e-5], clip=np.inf, **hyper)
   gate = _numpy_adamw(params, grads, decayed, lrs=[0.0, 0.025, 0.05], clip=np.inf, **hyper)
   np.testing.assert_allclose(got['query_kernel'], kernel['query_kernel'], rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(got['gate_log_alpha'], gate['gate_log_alpha'], rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(got['gate_log_alpha'], gate['gate_log_alpha'], rtol=1e-5, atol=1e-6)
   with pytest.raises(ValueError, match=r"no parameter role \['gates'\]"):
     optim.role_scales(abstract, {'gates': 2.0})
 
 
 def test_gate_learning_rate_reaches_the_optimizer_only_when_set(helpers):
   from lowrank_attn.train import config as config_lib  # pylint: disable=g-import-not-at-top
+
   config = config_lib.load('configs/lm.py:tiny')
   config.model.attention.gated = True
   config.learning_rate, config.warmup_steps = 1e-3, 0
@@ -346,12 +414,15 @@ def test_gate_learning_rate_reaches_the_optimizer_only_when_set(helpers):
   # The optimizer state of a run without the field is unchanged (old checkpoints restore).
   plain_state = jax.eval_shape(plain.tx.init, plain.abstract_state['params'])
   assert jax.tree.structure(plain_state) != jax.tree.structure(
-      jax.eval_shape(gated.tx.init, gated.abstract_state['params']))
+      jax.eval_shape(gated.tx.init, gated.abstract_state['params'])
+  )
   params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), gated.abstract_state['params'])
   grads = jax.tree.map(jnp.ones_like, params)
   updates, _ = gated.tx.update(grads, gated.tx.init(params), params)
-  flat = {'/'.join(str(getattr(k, 'key', k)) for k in path): np.asarray(u)
-          for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]}
+  flat = {
+      '/'.join(str(getattr(k, 'key', k)) for k in path): np.asarray(u)
+      for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]
+  }
   # Adam's first step is lr * sign(g): the gates' is 500x the others'.
   gates = [u for name, u in flat.items() if name.endswith('gate_log_alpha')]
   biases = [u for name, u in flat.items() if name.endswith('out_bias')]

@@ -35,22 +35,41 @@ pytestmark = pytest.mark.integration  # the real command line, in a subprocess
 # A step of ~2 s on the 2-core CPU (D=256, 32 x 256 characters): slow enough that the steps
 # in flight, not the save, dominate the time from the signal to the exit.
 SLOW_STEP = {
-    'model.emb_dim': 256, 'model.mlp_dim': 1024, 'model.attention.num_heads': 4,
-    'per_device_batch_size': 32, 'data.max_length': 256, 'model.max_length': 256,
+    'model.emb_dim': 256,
+    'model.mlp_dim': 1024,
+    'model.attention.num_heads': 4,
+    'per_device_batch_size': 32,
+    'data.max_length': 256,
+    'model.max_length': 256,
 }
 GRACE_SECS = 10.0  # the issue's bound for a step of ~2 s (Cloud TPU gives ~30 s)
 
 
 def start(helpers, workdir, tfds_dir, **extra):
-  values = {**SLOW_STEP, 'num_train_steps': 10_000, 'log_every_steps': 10_000,
-            'checkpoint_every_steps': 10_000, 'eval_every_steps': 0, 'progress_every_secs': 4.0,
-            'data.tfds_data_dir': tfds_dir, 'peak_flops_per_device': 1e11, **extra}
-  cmd = [sys.executable, '-m', 'lowrank_attn.main', '--config=configs/lm.py:tiny',
-         f'--workdir={workdir}', *helpers.cli_overrides(values)]
+  values = {
+      **SLOW_STEP,
+      'num_train_steps': 10_000,
+      'log_every_steps': 10_000,
+      'checkpoint_every_steps': 10_000,
+      'eval_every_steps': 0,
+      'progress_every_secs': 4.0,
+      'data.tfds_data_dir': tfds_dir,
+      'peak_flops_per_device': 1e11,
+      **extra,
+  }
+  cmd = [
+      sys.executable,
+      '-m',
+      'lowrank_attn.main',
+      '--config=configs/lm.py:tiny',
+      f'--workdir={workdir}',
+      *helpers.cli_overrides(values),
+  ]
   # One device: the command must not inherit the tests' 8 virtual devices.
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  return subprocess.Popen(cmd, cwd=helpers.root, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  return subprocess.Popen(
+      cmd, cwd=helpers.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
 
 
 def timed_lines(process) -> queue.Queue:
@@ -105,7 +124,8 @@ def sigterm_to_exit(helpers, workdir, tfds_dir, **extra):
 
 @pytest.mark.slow
 def test_sigterm_commits_a_checkpoint_and_exits_within_the_grace_period(
-    helpers, tfds_dir, tmp_path):
+    helpers, tfds_dir, tmp_path
+):
   rc, elapsed, step_secs, last_shown, out = sigterm_to_exit(helpers, tmp_path, tfds_dir)
   assert rc == 143, f'exit status {rc}, expected 143 (preempted):\n{out}'
   saved = int(re.search(r'preempted: saved step (\d+)', out).group(1))
@@ -126,7 +146,8 @@ def test_sigterm_commits_a_checkpoint_and_exits_within_the_grace_period(
   print(f'SIGTERM -> exit 143 in {elapsed:.1f} s; step {step_secs:.2f} s; saved step {saved}')
   assert elapsed <= bound, (
       f'{elapsed:.1f} s from SIGTERM to the exit (bound {bound:.1f} s, step '
-      f'{step_secs:.2f} s): too many steps dispatched ahead of the save?\n{out}')
+      f'{step_secs:.2f} s): too many steps dispatched ahead of the save?\n{out}'
+  )
 
 
 # ------------------------------------------------- a signal in every phase (phase_worker.py)
@@ -136,22 +157,43 @@ STEPS, EVAL_EVERY = 12, 6
 
 
 def tiny(helpers, tfds_dir, **extra):
-  return {**helpers.small_model, 'model.num_decoder_layers': 1, 'num_train_steps': STEPS,
-          'checkpoint_every_steps': 3, 'keep_checkpoints': 3, 'eval_every_steps': EVAL_EVERY,
-          'num_eval_steps': 3, 'log_every_steps': 3, 'data.tfds_data_dir': tfds_dir,
-          'peak_flops_per_device': 1e11, **extra}
+  return {
+      **helpers.small_model,
+      'model.num_decoder_layers': 1,
+      'num_train_steps': STEPS,
+      'checkpoint_every_steps': 3,
+      'keep_checkpoints': 3,
+      'eval_every_steps': EVAL_EVERY,
+      'num_eval_steps': 3,
+      'log_every_steps': 3,
+      'data.tfds_data_dir': tfds_dir,
+      'peak_flops_per_device': 1e11,
+      **extra,
+  }
 
 
 def command(helpers, workdir, values, config='configs/lm.py:tiny', held=()):
   program = [str(WORKER), *held] if held else ['-m', 'lowrank_attn.main']
-  return [sys.executable, *program, f'--config={config}', f'--workdir={workdir}',
-          *helpers.cli_overrides(values)]
+  return [
+      sys.executable,
+      *program,
+      f'--config={config}',
+      f'--workdir={workdir}',
+      *helpers.cli_overrides(values),
+  ]
 
 
 def run(helpers, cmd) -> tuple[int, str]:
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # one device
-  done = subprocess.run(cmd, cwd=helpers.root, env=env, stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True, timeout=600)
+  done = subprocess.run(
+      cmd,
+      cwd=helpers.root,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      timeout=600,
+  )
   return done.returncode, done.stdout
 
 
@@ -159,8 +201,9 @@ def signal_when_held(helpers, cmd, signum) -> tuple[int, float, str]:
   """Runs `cmd` (the phase worker) until it reports 'HELD', sends `signum`; returns (exit
   status, seconds from the signal to the exit, output)."""
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  process = subprocess.Popen(cmd, cwd=helpers.root, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+  process = subprocess.Popen(
+      cmd, cwd=helpers.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
   seen = []
   try:
     lines = timed_lines(process)
@@ -200,27 +243,31 @@ def committed(workdir) -> list[int]:
 
 
 def test_a_signal_in_an_evaluation_stops_it_and_the_next_start_reruns_it(
-    helpers, tfds_dir, tmp_path):
+    helpers, tfds_dir, tmp_path
+):
   """SIGTERM held inside the periodic evaluation at step 6, then inside the final evaluation:
   each stops between batches (exit 143, the step's checkpoint committed, nothing recorded for
   the evaluation), and the next start evaluates that step before going on. Then the finished
   run, started again, says so at once."""
   text = tmp_path / 'extra.txt'  # a final split of 3 batches besides the task's (none for lm)
-  text.write_text(''.join(f'line {i} of a small test set for the final evaluation\n'
-                          for i in range(12)))
+  text.write_text(
+      ''.join(f'line {i} of a small test set for the final evaluation\n' for i in range(12))
+  )
   workdir = tmp_path / 'run'
   values = tiny(helpers, tfds_dir, **{'data.extra_test_files': str(text)})
   timings = {}
 
   rc, timings['periodic evaluation'], out = signal_when_held(
-      helpers, command(helpers, workdir, values, held=('eval', str(EVAL_EVERY))), signal.SIGTERM)
+      helpers, command(helpers, workdir, values, held=('eval', str(EVAL_EVERY))), signal.SIGTERM
+  )
   assert rc == 143, out
   assert saved_step(out) == EVAL_EVERY and 'during the evaluation at step 6' in out, out
   assert EVAL_EVERY in committed(workdir)
   assert EVAL_EVERY not in eval_lines(workdir), out  # stopped, not finished
 
   rc, timings['final evaluation'], out = signal_when_held(
-      helpers, command(helpers, workdir, values, held=('final', str(STEPS))), signal.SIGTERM)
+      helpers, command(helpers, workdir, values, held=('final', str(STEPS))), signal.SIGTERM
+  )
   assert rc == 143, out
   assert 'resumed from step 6' in out and 'evaluating step 6' in out, out
   assert eval_lines(workdir).count(EVAL_EVERY) == 1  # the interrupted evaluation, rerun
@@ -240,20 +287,21 @@ def test_a_signal_in_an_evaluation_stops_it_and_the_next_start_reruns_it(
   print('seconds from the signal to the exit:', timings)
 
 
-def test_ctrl_c_during_a_step_and_sigterm_during_a_save_save_that_step(
-    helpers, tfds_dir, tmp_path):
+def test_ctrl_c_during_a_step_and_sigterm_during_a_save_save_that_step(helpers, tfds_dir, tmp_path):
   """SIGINT held in the training step that makes step 2: 'interrupted', step 2 saved, exit 130.
   SIGTERM held in the save of step 3: that save commits, exit 143. Then the run finishes."""
   values = tiny(helpers, tfds_dir)
   timings = {}
   rc, timings['training step (SIGINT)'], out = signal_when_held(
-      helpers, command(helpers, tmp_path, values, held=('train', '2')), signal.SIGINT)
+      helpers, command(helpers, tmp_path, values, held=('train', '2')), signal.SIGINT
+  )
   assert rc == 130, out
   assert saved_step(out, 'interrupted') == 2 and 2 in committed(tmp_path), out
   assert 'Traceback' not in out, out
 
   rc, timings['checkpoint save'], out = signal_when_held(
-      helpers, command(helpers, tmp_path, values, held=('save', '3')), signal.SIGTERM)
+      helpers, command(helpers, tmp_path, values, held=('save', '3')), signal.SIGTERM
+  )
   assert rc == 143, out
   assert 'resumed from step 2' in out and saved_step(out) == 3, out
   assert 3 in committed(tmp_path)
@@ -268,13 +316,21 @@ def test_ctrl_c_during_a_step_and_sigterm_during_a_save_save_that_step(
 def test_a_signal_during_the_final_translation_stops_it(helpers, tfds_dir, tmp_path):
   """NMT: SIGTERM held before the first beam-search batch of the final evaluation's BLEU: the
   translation stops after that batch (exit 143; nothing recorded, so the next start redoes it)."""
-  values = {**tiny(helpers, tfds_dir), 'num_train_steps': 3, 'eval_every_steps': 0,
-            'decode.num_examples': 0, 'decode.beam_size': 2, 'decode.max_length': 16}
+  values = {
+      **tiny(helpers, tfds_dir),
+      'num_train_steps': 3,
+      'eval_every_steps': 0,
+      'decode.num_examples': 0,
+      'decode.beam_size': 2,
+      'decode.max_length': 16,
+  }
   del values['model.num_decoder_layers']
   values.update({'model.num_encoder_layers': 1, 'model.num_decoder_layers': 1})
   rc, elapsed, out = signal_when_held(
-      helpers, command(helpers, tmp_path, values, config='configs/nmt.py:tiny',
-                       held=('translate', '3')), signal.SIGTERM)
+      helpers,
+      command(helpers, tmp_path, values, config='configs/nmt.py:tiny', held=('translate', '3')),
+      signal.SIGTERM,
+  )
   assert rc == 143, out
   assert saved_step(out) == 3 and 'during the final evaluation' in out, out
   # Stopped inside the first split's translation (validation), not at the next split.

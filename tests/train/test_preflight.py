@@ -69,8 +69,11 @@ def test_a_missing_extra_test_file_is_named(config, tmp_path):
   present = tmp_path / 'present.txt'
   present.write_text('a line\n')
   config.data.extra_test_files = f'{present},{tmp_path}/gone.txt'
-  refused(config, tmp_path / 'run', r"extra_test_files: '.*/gone\.txt' \(test set 'gone'\) "
-          'does not exist')
+  refused(
+      config,
+      tmp_path / 'run',
+      r"extra_test_files: '.*/gone\.txt' \(test set 'gone'\) " 'does not exist',
+  )
   config.data.extra_test_files = f'{present},{tmp_path}'
   refused(config, tmp_path / 'run', r'is a directory, not a file')
   config.data.extra_test_files = str(present)
@@ -92,8 +95,11 @@ def test_a_workdir_that_is_a_file(config, tmp_path):
   a_file = tmp_path / 'notes.txt'
   a_file.write_text('')
   refused(config, a_file, r'--workdir=.*notes\.txt is a file, not a directory')
-  refused(config, a_file / 'run', r'--workdir=.*notes\.txt/run cannot be made: .*notes\.txt is '
-          'a file')
+  refused(
+      config,
+      a_file / 'run',
+      r'--workdir=.*notes\.txt/run cannot be made: .*notes\.txt is ' 'a file',
+  )
 
 
 @pytest.mark.parametrize('under', ['', 'new/run'])

@@ -29,7 +29,8 @@ def test_logical_rules_map_dedupe_and_replicate_uneven_dims():
   assert sharding.logical_to_spec(('embed', 'mlp'), rules) == P('fsdp', 'tensor')
   # 'batch' takes data and fsdp; 'embed' (-> fsdp) then stays unsharded.
   assert sharding.logical_to_spec(('batch', 'length', 'embed'), rules) == P(
-      ('data', 'fsdp'), None, None)
+      ('data', 'fsdp'), None, None
+  )
   # A 65-symbol vocabulary cannot be split in 2: replicated instead of failing in jit.
   assert sharding.logical_to_spec(('vocab', 'embed'), rules, (65, 32), mesh) == P(None, 'fsdp')
   with pytest.raises(ValueError, match="logical axis 'heads' has no rule"):
@@ -39,16 +40,27 @@ def test_logical_rules_map_dedupe_and_replicate_uneven_dims():
 
 # Shard shapes of two parameters: mlp.wi.kernel [embed 32, mlp 64] and
 # self_attention.query_kernel [embed 32, heads 4, kv 8].
-@pytest.mark.parametrize('mesh_config,expected', [
-    ({'data': 8, 'fsdp': 1, 'tensor': 1}, {'mlp.wi.kernel': (32, 64),
-                                           'self_attention.query_kernel': (32, 4, 8)}),
-    ({'data': 1, 'fsdp': 8, 'tensor': 1}, {'mlp.wi.kernel': (4, 64),
-                                           'self_attention.query_kernel': (4, 4, 8)}),
-    ({'data': 4, 'fsdp': 1, 'tensor': 2}, {'mlp.wi.kernel': (32, 32),
-                                           'self_attention.query_kernel': (32, 2, 8)}),
-    ({'data': 2, 'fsdp': 2, 'tensor': 2}, {'mlp.wi.kernel': (16, 32),
-                                           'self_attention.query_kernel': (16, 2, 8)}),
-])
+@pytest.mark.parametrize(
+    'mesh_config,expected',
+    [
+        (
+            {'data': 8, 'fsdp': 1, 'tensor': 1},
+            {'mlp.wi.kernel': (32, 64), 'self_attention.query_kernel': (32, 4, 8)},
+        ),
+        (
+            {'data': 1, 'fsdp': 8, 'tensor': 1},
+            {'mlp.wi.kernel': (4, 64), 'self_attention.query_kernel': (4, 4, 8)},
+        ),
+        (
+            {'data': 4, 'fsdp': 1, 'tensor': 2},
+            {'mlp.wi.kernel': (32, 32), 'self_attention.query_kernel': (32, 2, 8)},
+        ),
+        (
+            {'data': 2, 'fsdp': 2, 'tensor': 2},
+            {'mlp.wi.kernel': (16, 32), 'self_attention.query_kernel': (16, 2, 8)},
+        ),
+    ],
+)
 def test_parameters_are_created_sharded(mesh_config, expected, helpers):
   config = helpers.override(helpers.load_config('lm', 'tiny'), helpers.small_model)
   for axis, size in mesh_config.items():
@@ -69,5 +81,6 @@ def test_parameters_are_created_sharded(mesh_config, expected, helpers):
   one_device = helpers.override(config, {'mesh.data': 1, 'mesh.fsdp': 1, 'mesh.tensor': 1})
   one_device = train.setup(one_device, vocab_size=64, bos_id=1, devices=jax.devices()[:1])
   reference = train.create_state(one_device)['params']['decoder']['layers'][0]
-  np.testing.assert_array_equal(np.asarray(layer['mlp']['wi']['kernel']),
-                                np.asarray(reference['mlp']['wi']['kernel']))
+  np.testing.assert_array_equal(
+      np.asarray(layer['mlp']['wi']['kernel']), np.asarray(reference['mlp']['wi']['kernel'])
+  )

@@ -28,16 +28,30 @@ def batch(task, seed):
     return {'inputs': x, 'targets': y, 'weights': weights}
   segments = (weights > 0).astype(np.int32)
   positions = np.tile(np.arange(LENGTH, dtype=np.int32), (BATCH, 1))
-  return {'inputs': x, 'targets': y, 'weights': weights, 'segment_ids': segments,
-          'positions': positions}
+  return {
+      'inputs': x,
+      'targets': y,
+      'weights': weights,
+      'segment_ids': segments,
+      'positions': positions,
+  }
 
 
 def run(helpers, task, mesh, devices, steps=3, with_eval=False, **extra):
   config = helpers.load_config(task, 'tiny')
-  helpers.override(config, {**helpers.small_model, 'data.max_length': LENGTH,
-                            'model.dropout_rate': 0.1, 'lr_schedule': 'constant',
-                            'warmup_steps': 0, 'learning_rate': 1e-2,
-                            'per_device_batch_size': BATCH // len(devices), **extra})
+  helpers.override(
+      config,
+      {
+          **helpers.small_model,
+          'data.max_length': LENGTH,
+          'model.dropout_rate': 0.1,
+          'lr_schedule': 'constant',
+          'warmup_steps': 0,
+          'learning_rate': 1e-2,
+          'per_device_batch_size': BATCH // len(devices),
+          **extra,
+      },
+  )
   for field in ('num_encoder_layers', 'num_decoder_layers'):
     if field in config.model:
       config.model[field] = 1  # the layout, not the depth, is under test
@@ -56,14 +70,17 @@ def run(helpers, task, mesh, devices, steps=3, with_eval=False, **extra):
   return losses, state
 
 
-@pytest.mark.parametrize('task,meshes', [
-    ('lm', tuple(MESHES)),
-    # Every parallelism at once; each alone is covered by lm (and by the slow run below).
-    ('mlm', ('all',)),
-    ('nmt', ('all',)),
-    pytest.param('mlm', tuple(MESHES), marks=pytest.mark.slow),
-    pytest.param('nmt', tuple(MESHES), marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    'task,meshes',
+    [
+        ('lm', tuple(MESHES)),
+        # Every parallelism at once; each alone is covered by lm (and by the slow run below).
+        ('mlm', ('all',)),
+        ('nmt', ('all',)),
+        pytest.param('mlm', tuple(MESHES), marks=pytest.mark.slow),
+        pytest.param('nmt', tuple(MESHES), marks=pytest.mark.slow),
+    ],
+)
 def test_parallel_losses_match_one_device(task, meshes, helpers):
   one = {'data': 1, 'fsdp': 1, 'tensor': 1}
   reference, _ = run(helpers, task, one, jax.devices()[:1], with_eval=True)
@@ -72,8 +89,9 @@ def test_parallel_losses_match_one_device(task, meshes, helpers):
     mesh = MESHES[name]
     losses, state = run(helpers, task, mesh, jax.devices(), with_eval=name == 'all')
     # Same dropout masks (partitionable threefry) and same math: float32 round-off only.
-    np.testing.assert_allclose(losses, reference[:len(losses)], rtol=2e-5,
-                               err_msg=f'{task} on {name} mesh')
+    np.testing.assert_allclose(
+        losses, reference[: len(losses)], rtol=2e-5, err_msg=f'{task} on {name} mesh'
+    )
     assert int(state['step']) == 3
 
 
@@ -81,8 +99,13 @@ def test_gradient_accumulation_equals_one_big_batch(helpers):
   one = {'data': 1, 'fsdp': 1, 'tensor': 1}
   # Without dropout the two micro-batches see exactly the rows of the full batch.
   full, _ = run(helpers, 'lm', one, jax.devices()[:1], **{'model.dropout_rate': 0.0})
-  accumulated, _ = run(helpers, 'lm', MESHES['all'], jax.devices(), **{
-      'model.dropout_rate': 0.0, 'grad_accum_steps': 2, 'per_device_batch_size': 1})
+  accumulated, _ = run(
+      helpers,
+      'lm',
+      MESHES['all'],
+      jax.devices(),
+      **{'model.dropout_rate': 0.0, 'grad_accum_steps': 2, 'per_device_batch_size': 1},
+  )
   np.testing.assert_allclose(accumulated, full, rtol=2e-5)
 
 

@@ -63,21 +63,27 @@ def step_losses(helpers):
 
   def losses(dropout_rate, step, seed=0):
     if dropout_rate not in cache:
-      config = helpers.override(helpers.load_config('lm', 'tiny'), {
-          **helpers.small_model, 'model.dropout_rate': dropout_rate})
+      config = helpers.override(
+          helpers.load_config('lm', 'tiny'),
+          {**helpers.small_model, 'model.dropout_rate': dropout_rate},
+      )
       config.mesh.data = 1
       s = train.setup(config, vocab_size=64, bos_id=1, devices=jax.devices()[:1])
       state = train.create_state(s)
-      fn = jax.jit(functools.partial(train.train_step, options=s.options, tx=s.tx,
-                                     schedule=s.schedule))
+      fn = jax.jit(
+          functools.partial(train.train_step, options=s.options, tx=s.tx, schedule=s.schedule)
+      )
       cache[dropout_rate] = (state, fn)
     state, fn = cache[dropout_rate]
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 64, (4, 17)).astype(np.int32)
-    batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-             'weights': np.ones((4, 16), np.float32),
-             'segment_ids': np.ones((4, 16), np.int32),
-             'positions': np.broadcast_to(np.arange(16, dtype=np.int32), (4, 16))}
+    batch = {
+        'inputs': tokens[:, :-1],
+        'targets': tokens[:, 1:],
+        'weights': np.ones((4, 16), np.float32),
+        'segment_ids': np.ones((4, 16), np.int32),
+        'positions': np.broadcast_to(np.arange(16, dtype=np.int32), (4, 16)),
+    }
     at_step = {**state, 'step': jnp.asarray(step, state['step'].dtype)}
     _, metrics = fn(at_step, batch, jax.random.key(seed))
     return float(metrics['loss']), float(metrics['grad_norm'])
@@ -104,9 +110,17 @@ def test_padded_batches_are_normalised_by_their_real_tokens(helpers):
   without gradient accumulation (micro-batches of different weights)."""
   import dataclasses
   from flax import nnx
-  config = helpers.override(helpers.load_config('lm', 'tiny'), {
-      **helpers.small_model, 'model.dropout_rate': 0.0, 'model.num_decoder_layers': 1,
-      'model.emb_dim': 16, 'model.mlp_dim': 16})  # one layer compiles 3 steps quickly
+
+  config = helpers.override(
+      helpers.load_config('lm', 'tiny'),
+      {
+          **helpers.small_model,
+          'model.dropout_rate': 0.0,
+          'model.num_decoder_layers': 1,
+          'model.emb_dim': 16,
+          'model.mlp_dim': 16,
+      },
+  )  # one layer compiles 3 steps quickly
   config.mesh.data = 1
   s = train.setup(config, vocab_size=64, bos_id=1, devices=jax.devices()[:1])
   state = train.create_state(s)
@@ -114,25 +128,35 @@ def test_padded_batches_are_normalised_by_their_real_tokens(helpers):
   tokens = rng.integers(1, 64, (4, 17)).astype(np.int32)
   lengths = np.array([16, 9, 3, 0])  # row 3 is all padding
   real = np.arange(16)[None, :] < lengths[:, None]
-  batch = {'inputs': tokens[:, :-1] * real, 'targets': tokens[:, 1:] * real,
-           'weights': real.astype(np.float32), 'segment_ids': real.astype(np.int32),
-           'positions': np.where(real, np.arange(16), 0).astype(np.int32)}
+  batch = {
+      'inputs': tokens[:, :-1] * real,
+      'targets': tokens[:, 1:] * real,
+      'weights': real.astype(np.float32),
+      'segment_ids': real.astype(np.int32),
+      'positions': np.where(real, np.arange(16), 0).astype(np.int32),
+  }
 
   def hand_loss(params):
     model = nnx.merge(s.options.graphdef, params)
-    logits, _ = model(jnp.asarray(batch['inputs']), positions=jnp.asarray(batch['positions']),
-                      segment_ids=jnp.asarray(batch['segment_ids']), deterministic=True)
+    logits, _ = model(
+        jnp.asarray(batch['inputs']),
+        positions=jnp.asarray(batch['positions']),
+        segment_ids=jnp.asarray(batch['segment_ids']),
+        deterministic=True,
+    )
     log_p = jax.nn.log_softmax(logits.astype(jnp.float32))
     nll = -jnp.take_along_axis(log_p, jnp.asarray(batch['targets'])[..., None], -1)[..., 0]
     return jnp.sum(nll * batch['weights']) / np.sum(batch['weights'])
 
   want_loss, want_grads = jax.value_and_grad(hand_loss)(state['params'])
-  want_norm = float(np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64)))
-                                for g in jax.tree.leaves(want_grads))))
+  want_norm = float(
+      np.sqrt(
+          sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(want_grads))
+      )
+  )
   for k in (1, 2):  # k = 2: rows 0, 2 (19 tokens) and rows 1, 3 (9 tokens)
     options = dataclasses.replace(s.options, grad_accum_steps=k)
-    fn = jax.jit(functools.partial(train.train_step, options=options, tx=s.tx,
-                                   schedule=s.schedule))
+    fn = jax.jit(functools.partial(train.train_step, options=options, tx=s.tx, schedule=s.schedule))
     _, metrics = fn(state, batch, jax.random.key(0))
     # float32 sums over 28 tokens of a 64-way softmax: a few ulp of the loss.
     np.testing.assert_allclose(metrics['loss'], want_loss, rtol=1e-5, err_msg=f'k={k}')

@@ -17,8 +17,9 @@ def run_tiny(helpers, task, workdir, tfds_dir, **overrides):
   """The tiny config with its global batch, spread over the tests' 8 CPU devices."""
   config = helpers.load_config(task, 'tiny')
   per_device = config.per_device_batch_size // jax.device_count()
-  helpers.override(config, {'data.tfds_data_dir': tfds_dir, 'per_device_batch_size': per_device,
-                            **overrides})
+  helpers.override(
+      config, {'data.tfds_data_dir': tfds_dir, 'per_device_batch_size': per_device, **overrides}
+  )
   return config, train.train_and_evaluate(config, str(workdir))
 
 
@@ -34,10 +35,13 @@ def lm_run(helpers, tfds_dir, tmp_path_factory):
   return config, result, workdir
 
 
-@pytest.mark.parametrize('task,overrides', [
-    ('nmt', {'decode.num_examples': 16}),
-    pytest.param('mlm', {}, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    'task,overrides',
+    [
+        ('nmt', {'decode.num_examples': 16}),
+        pytest.param('mlm', {}, marks=pytest.mark.slow),
+    ],
+)
 def test_tiny_configs_learn(task, overrides, helpers, tfds_dir, tmp_path, monkeypatch):
   scored = []  # the strings BLEU was computed on
   corpus_bleu = sacrebleu.corpus_bleu
@@ -51,7 +55,7 @@ def test_tiny_configs_learn(task, overrides, helpers, tfds_dir, tmp_path, monkey
   assert_learned(config, result, tmp_path)
   if task == 'nmt':
     assert result['eval']['decoded_examples'] == 16
-    (hypotheses, (references,)), = scored
+    ((hypotheses, (references,)),) = scored
     assert len(hypotheses) == len(references) == 16
     # The references are German sentences of the validation split, read here from the raw file
     # (cut where the targets were truncated to data.max_length tokens).
@@ -94,8 +98,15 @@ def test_metrics_tensorboard_and_config_are_written(lm_run):
   assert [l['split'] for l in lines].count('hparams') == 1
   train_steps = [l['step'] for l in lines if l['split'] == 'train']
   assert train_steps[0] == 1 and train_steps[-1] == config.num_train_steps
-  assert {'loss', 'accuracy', 'grad_norm', 'learning_rate', 'steps_per_sec', 'tokens_per_sec',
-          'flops_per_sec'} <= set(lines[-2])
+  assert {
+      'loss',
+      'accuracy',
+      'grad_norm',
+      'learning_rate',
+      'steps_per_sec',
+      'tokens_per_sec',
+      'flops_per_sec',
+  } <= set(lines[-2])
   evals = [l for l in lines if l['split'] == 'eval']
   assert {'loss', 'perplexity', 'accuracy'} <= set(evals[-1])
 
@@ -103,7 +114,8 @@ def test_metrics_tensorboard_and_config_are_written(lm_run):
   accumulator = event_accumulator.EventAccumulator(os.path.join(workdir, metrics.TENSORBOARD_DIR))
   accumulator.Reload()
   assert {'train/loss', 'train/flops_per_sec', 'eval/perplexity'} <= set(
-      accumulator.Tags()['scalars'])
+      accumulator.Tags()['scalars']
+  )
   assert [e.step for e in accumulator.Scalars('train/loss')] == train_steps
   assert '_hparams_/session_start_info' in accumulator.Tags()['tensors']
 
@@ -114,8 +126,9 @@ def test_metrics_tensorboard_and_config_are_written(lm_run):
 
 def test_rerunning_a_finished_run_says_so_at_once(lm_run, monkeypatch, capsys):
   config, result, workdir = lm_run
-  assert os.path.exists(os.path.join(workdir, train.FINAL_EVAL_DIR, str(result['step']),
-                                     'metrics.json'))  # {} for lm: the mark of the end
+  assert os.path.exists(
+      os.path.join(workdir, train.FINAL_EVAL_DIR, str(result['step']), 'metrics.json')
+  )  # {} for lm: the mark of the end
 
   def must_not_run(*args, **kwargs):
     raise AssertionError('a finished run built a pipeline or a model')

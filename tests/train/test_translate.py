@@ -53,32 +53,51 @@ def run(helpers, tfds_dir, tmp_path_factory):
   # 'mini': 40 test sentences; 'odd': an empty source line and one far over data.max_length.
   extra = {
       'mini': (english[:40], german[:40]),
-      'odd': ([english[50], '', ' '.join(english[51:56]), english[56]],
-              [german[50], german[51], ' '.join(german[51:56]), german[56]]),
+      'odd': (
+          [english[50], '', ' '.join(english[51:56]), english[56]],
+          [german[50], german[51], ' '.join(german[51:56]), german[56]],
+      ),
   }
-  paths = {name: (write_lines(files / f'{name}.en', en), write_lines(files / f'{name}.de', de))
-           for name, (en, de) in extra.items()}
+  paths = {
+      name: (write_lines(files / f'{name}.en', en), write_lines(files / f'{name}.de', de))
+      for name, (en, de) in extra.items()
+  }
   workdir = str(tmp_path_factory.mktemp('nmt_run'))
   config = helpers.load_config('nmt', 'tiny')
-  helpers.override(config, {
-      'data.tfds_data_dir': tfds_dir, 'num_train_steps': STEPS, 'eval_every_steps': EVAL_EVERY,
-      'per_device_batch_size': config.per_device_batch_size // jax.device_count(),
-      'decode.beam_size': BEAM, 'decode.num_examples': 16,
-      'data.extra_test_files': ','.join(f'{en}:{de}' for en, de in paths.values())})
+  helpers.override(
+      config,
+      {
+          'data.tfds_data_dir': tfds_dir,
+          'num_train_steps': STEPS,
+          'eval_every_steps': EVAL_EVERY,
+          'per_device_batch_size': config.per_device_batch_size // jax.device_count(),
+          'decode.beam_size': BEAM,
+          'decode.num_examples': 16,
+          'data.extra_test_files': ','.join(f'{en}:{de}' for en, de in paths.values()),
+      },
+  )
   result = train.train_and_evaluate(config, workdir)
-  return types.SimpleNamespace(workdir=workdir, config=config, result=result, paths=paths,
-                               references={name: de for name, (_, de) in extra.items()})
+  return types.SimpleNamespace(
+      workdir=workdir,
+      config=config,
+      result=result,
+      paths=paths,
+      references={name: de for name, (_, de) in extra.items()},
+  )
 
 
 def test_final_evaluation_reports_every_split_under_its_name(run):
   final = run.result['final']
   assert list(final) == ['validation', 'test', 'mini', 'odd']
-  references = {'validation': raw_lines(multi30k_file('val.de.gz')),
-                'test': raw_lines(multi30k_file('test_2016_flickr.de.gz')), **run.references}
+  references = {
+      'validation': raw_lines(multi30k_file('val.de.gz')),
+      'test': raw_lines(multi30k_file('test_2016_flickr.de.gz')),
+      **run.references,
+  }
   lines = [l for l in read_jsonl(run.workdir) if l['step'] == STEPS]
   for name, expected in references.items():
     reported = final[name]
-    line, = [l for l in lines if l['split'] == name]
+    (line,) = [l for l in lines if l['split'] == name]
     for key in ('loss', 'perplexity', 'accuracy', 'bleu', 'chrf', 'sentences'):
       assert line[key] == pytest.approx(reported[key], abs=1e-12), (name, key)
     assert reported['sentences'] == len(expected)
@@ -87,8 +106,7 @@ def test_final_evaluation_reports_every_split_under_its_name(run):
     assert reported['chrf_signature'].startswith('nrefs:1|case:mixed|')
     # The scores are sacreBLEU's on the translations the run wrote, against the raw reference
     # text (read here from the files, not through the tokenizer).
-    written = raw_lines(os.path.join(run.workdir, train.FINAL_EVAL_DIR, str(STEPS),
-                                     f'{name}.txt'))
+    written = raw_lines(os.path.join(run.workdir, train.FINAL_EVAL_DIR, str(STEPS), f'{name}.txt'))
     assert len(written) == len(expected)
     bleu = sacrebleu.metrics.BLEU().corpus_score(written, [expected]).score
     chrf = sacrebleu.metrics.CHRF().corpus_score(written, [expected]).score
@@ -116,16 +134,25 @@ def test_rerunning_the_finished_run_returns_its_final_evaluation(run):
 
 
 def cli(*args, timeout=600):
-  return subprocess.run([sys.executable, '-m', 'lowrank_attn.translate', *args],
-                        capture_output=True, text=True, timeout=timeout,
-                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+  return subprocess.run(
+      [sys.executable, '-m', 'lowrank_attn.translate', *args],
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+  )
 
 
 def test_translate_reproduces_the_bleu_training_reported(run, tmp_path):
   out = tmp_path / 'test.de'
-  done = cli(f'--workdir={run.workdir}', f'--input={multi30k_file("test_2016_flickr.en.gz")}',
-             f'--reference={multi30k_file("test_2016_flickr.de.gz")}', f'--output={out}',
-             f'--beam_size={BEAM}', '--compilation_cache=')
+  done = cli(
+      f'--workdir={run.workdir}',
+      f'--input={multi30k_file("test_2016_flickr.en.gz")}',
+      f'--reference={multi30k_file("test_2016_flickr.de.gz")}',
+      f'--output={out}',
+      f'--beam_size={BEAM}',
+      '--compilation_cache=',
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   reported = run.result['final']['test']
   bleu = float(re.search(r'^BLEU (\S+)', done.stderr, re.M).group(1))
@@ -139,14 +166,14 @@ def test_translate_reproduces_the_bleu_training_reported(run, tmp_path):
   assert re.search(r'sentences/s; jitted search .* outside it', done.stderr)
 
 
-def test_empty_line_gives_empty_line_and_overlong_line_is_cut_with_a_warning(run, tmp_path,
-                                                                              capsys):
+def test_empty_line_gives_empty_line_and_overlong_line_is_cut_with_a_warning(run, tmp_path, capsys):
   english = raw_lines(multi30k_file('test_2016_flickr.en.gz'))
   long_line = ' '.join(english[:8])  # far over data.max_length (32 tokens)
   source = write_lines(tmp_path / 'in.en', [english[100], '', long_line, english[101]])
   out = tmp_path / 'out.de'
-  result = translate.translate_file(run.workdir, input_path=source, output_path=str(out),
-                                    compilation_cache='')
+  result = translate.translate_file(
+      run.workdir, input_path=source, output_path=str(out), compilation_cache=''
+  )
   translations = out.read_text(encoding='utf-8').split('\n')
   assert len(translations) == 5 and translations[-1] == ''  # four lines, each ended by \n
   assert translations[1] == '' and all(translations[i] for i in (0, 2, 3))
@@ -165,7 +192,8 @@ def test_a_bad_run_directory_is_one_line_and_exit_status_2(run, tmp_path, case):
     empty = tmp_path / 'fresh'
     empty.mkdir()
     (empty / checkpoints.CONFIG_FILE).write_text(
-        open(os.path.join(run.workdir, checkpoints.CONFIG_FILE)).read())
+        open(os.path.join(run.workdir, checkpoints.CONFIG_FILE)).read()
+    )
     args, says = [f'--workdir={empty}'], 'has no checkpoint in'
   else:
     args, says = [f'--workdir={run.workdir}', '--step=7'], 'has no checkpoint of that step; it has'
@@ -177,12 +205,15 @@ def test_a_bad_run_directory_is_one_line_and_exit_status_2(run, tmp_path, case):
 
 def test_translate_checks_a_run_without_importing_jax():
   # A wrong --workdir must fail at once: the checks read the directory, not JAX or Orbax.
-  code = ('import sys\nfrom lowrank_attn import translate\n'
-          'try:\n  translate.check_run("/nonexistent", None)\n'
-          'except translate.UsageError as e:\n  print(e)\n'
-          'print("jax" in sys.modules, "orbax" in sys.modules)')
-  done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                        timeout=120, check=True)
+  code = (
+      'import sys\nfrom lowrank_attn import translate\n'
+      'try:\n  translate.check_run("/nonexistent", None)\n'
+      'except translate.UsageError as e:\n  print(e)\n'
+      'print("jax" in sys.modules, "orbax" in sys.modules)'
+  )
+  done = subprocess.run(
+      [sys.executable, '-c', code], capture_output=True, text=True, timeout=120, check=True
+  )
   said, loaded = done.stdout.splitlines()
   assert said == '--workdir=/nonexistent: no such directory.'
   assert loaded == 'False False'
@@ -190,12 +221,16 @@ def test_translate_checks_a_run_without_importing_jax():
 
 def test_a_missing_extra_test_file_fails_before_training(run, helpers, tfds_dir, tmp_path):
   config = helpers.load_config('nmt', 'tiny')
-  tokenizer, = os.listdir(os.path.join(run.workdir, 'tokenizers'))
-  helpers.override(config, {
-      'data.tfds_data_dir': tfds_dir,
-      'data.tokenizer_path': os.path.join(run.workdir, 'tokenizers', tokenizer),
-      'data.extra_test_files': f'{run.paths["mini"][0]}:{run.paths["mini"][1]},'
-                               f'{tmp_path}/gone.en:{tmp_path}/gone.de'})
+  (tokenizer,) = os.listdir(os.path.join(run.workdir, 'tokenizers'))
+  helpers.override(
+      config,
+      {
+          'data.tfds_data_dir': tfds_dir,
+          'data.tokenizer_path': os.path.join(run.workdir, 'tokenizers', tokenizer),
+          'data.extra_test_files': f'{run.paths["mini"][0]}:{run.paths["mini"][1]},'
+          f'{tmp_path}/gone.en:{tmp_path}/gone.de',
+      },
+  )
   with pytest.raises(FileNotFoundError, match='gone.en'):
     train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert not os.path.exists(tmp_path / 'run' / checkpoints.CHECKPOINT_DIR)
@@ -207,8 +242,9 @@ def test_plot_curve_on_the_run(run, tmp_path, capsys):
   assert [r['step'] for r in rows] == [20, 40, 60]
   minutes = [r['minutes'] for r in rows]
   assert 0 < minutes[0] < minutes[1] < minutes[2]
-  train_secs = {l['step']: l['train_secs'] for l in read_jsonl(run.workdir)
-                if l['split'] == 'train'}
+  train_secs = {
+      l['step']: l['train_secs'] for l in read_jsonl(run.workdir) if l['split'] == 'train'
+  }
   assert minutes == pytest.approx([train_secs[s] / 60 for s in (20, 40, 60)])
   evals = {l['step']: l for l in read_jsonl(run.workdir) if l['split'] == 'eval'}
   assert [r['loss'] for r in rows] == [evals[s]['loss'] for s in (20, 40, 60)]
@@ -221,8 +257,10 @@ def test_plot_curve_on_the_run(run, tmp_path, capsys):
 
 
 def test_plot_curve_adds_the_time_before_a_resume():
-  lines = [{'split': 'train', 'step': s, 'train_secs': t} for s, t in
-           [(1, 1.0), (10, 10.0), (20, 20.0), (30, 30.0)]]
+  lines = [
+      {'split': 'train', 'step': s, 'train_secs': t}
+      for s, t in [(1, 1.0), (10, 10.0), (20, 20.0), (30, 30.0)]
+  ]
   # Killed after step 30, resumed from the checkpoint of step 20: a new clock from step 21.
   lines += [{'split': 'train', 'step': s, 'train_secs': t} for s, t in [(21, 2.0), (30, 11.0)]]
   lines += [{'split': 'eval', 'step': 30, 'loss': 1.0, 'bleu': 2.0}]
@@ -231,8 +269,9 @@ def test_plot_curve_adds_the_time_before_a_resume():
   assert plot_curve.curve(lines) == [{'step': 30, 'minutes': 0.5, 'loss': 1.0, 'bleu': 2.0}]
 
 
-@pytest.mark.parametrize('mesh', [{'data': 2, 'fsdp': 2, 'tensor': 2}, {'data': 1, 'fsdp': 1,
-                                                                        'tensor': 8}])
+@pytest.mark.parametrize(
+    'mesh', [{'data': 2, 'fsdp': 2, 'tensor': 2}, {'data': 1, 'fsdp': 1, 'tensor': 8}]
+)
 def test_translations_do_not_depend_on_the_mesh(run, mesh):
   """The parameters restored onto another mesh (sharded by fsdp and tensor) translate the 40
   'mini' sentences as the end of training did on 8-way data parallelism."""
@@ -248,14 +287,16 @@ def test_translations_do_not_depend_on_the_mesh(run, mesh):
 
 def test_a_mesh_that_does_not_fit_falls_back_to_data_parallel(run, tmp_path, capsys):
   import shutil
+
   workdir = tmp_path / 'run'
   shutil.copytree(run.workdir, workdir)
   config = json.loads((workdir / checkpoints.CONFIG_FILE).read_text())
   config['mesh'] = {'data': 1, 'fsdp': 1, 'tensor': 16}  # the tests have 8 devices
   (workdir / checkpoints.CONFIG_FILE).write_text(json.dumps(config))
   out = tmp_path / 'mini.de'
-  translate.translate_file(str(workdir), input_path=run.paths['mini'][0], output_path=str(out),
-                           compilation_cache='')
+  translate.translate_file(
+      str(workdir), input_path=run.paths['mini'][0], output_path=str(out), compilation_cache=''
+  )
   assert 'does not fit here' in capsys.readouterr().err
   written = os.path.join(run.workdir, train.FINAL_EVAL_DIR, str(STEPS), 'mini.txt')
   assert out.read_text(encoding='utf-8') == open(written, encoding='utf-8').read()

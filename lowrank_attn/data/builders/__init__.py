@@ -27,5 +27,12 @@ def _collect() -> dict[str, DatasetSpec]:
 
 DATASETS: dict[str, DatasetSpec] = _collect()
 
-__all__ = ['DATASETS', 'DatasetSpec', 'Multi30k', 'Multi30kCaptions', 'Shakespeare',
-           'UdEnglishEwt', 'parse_conllu']
+__all__ = [
+    'DATASETS',
+    'DatasetSpec',
+    'Multi30k',
+    'Multi30kCaptions',
+    'Shakespeare',
+    'UdEnglishEwt',
+    'parse_conllu',
+]

@@ -31,8 +31,10 @@ _CITATION = """@inproceedings{wang2019glue,
             and Bowman, Samuel R.},
   booktitle = {International Conference on Learning Representations}, year = {2019}}"""
 _ZIP_URL = 'https://dl.fbaipublicfiles.com/glue/data/{folder}.zip'
-_MRPC_SOURCE = ('GLUE\'s download_glue_data.py (github.com/nyu-mll/GLUE-baselines), which '
-                'writes glue_data/MRPC/{train,dev}.tsv')
+_MRPC_SOURCE = (
+    "GLUE's download_glue_data.py (github.com/nyu-mll/GLUE-baselines), which "
+    'writes glue_data/MRPC/{train,dev}.tsv'
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,22 +57,60 @@ class GlueTask:
 
 
 TASKS = {
-    'cola': GlueTask('CoLA', False, (3,), 1, sha256=(
-        'cb368ebeb9f27d7ad03720d27ddc95687a311bdb100781a2fe59a5f5b1bc0624',
-        '8c013e21dc39957cac37378d87bebe225b694a0d5fe13eded66c2856628833fd')),
-    'sst2': GlueTask('SST-2', True, (0,), 1, sha256=(
-        '48eac26399f8456935f81dd9e3a745c1430adb6c62e233ccfe22db4a0d15d1d1',
-        '54a9c12c77e402fc14d6a66a506f24d999f596b0176eb777c972cccc2f9cc4b0')),
-    'mrpc': GlueTask('MRPC', True, (3, 4), 0, public_archive=False, sha256=(
-        'f178bcc72ab4c2c1c778b480912e0c8e1dba3ead150dc1d490d70682ab888c1e',
-        '9e8f284788040f7c9ecde2e1b3c07237c756f926bd9ef8548ef5d34b56f69f17')),
+    'cola': GlueTask(
+        'CoLA',
+        False,
+        (3,),
+        1,
+        sha256=(
+            'cb368ebeb9f27d7ad03720d27ddc95687a311bdb100781a2fe59a5f5b1bc0624',
+            '8c013e21dc39957cac37378d87bebe225b694a0d5fe13eded66c2856628833fd',
+        ),
+    ),
+    'sst2': GlueTask(
+        'SST-2',
+        True,
+        (0,),
+        1,
+        sha256=(
+            '48eac26399f8456935f81dd9e3a745c1430adb6c62e233ccfe22db4a0d15d1d1',
+            '54a9c12c77e402fc14d6a66a506f24d999f596b0176eb777c972cccc2f9cc4b0',
+        ),
+    ),
+    'mrpc': GlueTask(
+        'MRPC',
+        True,
+        (3, 4),
+        0,
+        public_archive=False,
+        sha256=(
+            'f178bcc72ab4c2c1c778b480912e0c8e1dba3ead150dc1d490d70682ab888c1e',
+            '9e8f284788040f7c9ecde2e1b3c07237c756f926bd9ef8548ef5d34b56f69f17',
+        ),
+    ),
     # HF `glue/rte` and GLUE's own code: entailment = 0.
-    'rte': GlueTask('RTE', True, (1, 2), 3, ('entailment', 'not_entailment'), sha256=(
-        '41e3a9b063433392343fad9e962cf2f58b681c78d8f71592f4186f0837246c5c',
-        '80230dfa1347282e7b532b06a1004a76a710087541189bf874223ddf0e3819fb')),
-    'stsb': GlueTask('STS-B', True, (7, 8), 9, num_classes=1, sha256=(
-        '41c4d978b6162abdcada7e49a982211954cca5459c228db478af333124b257a2',
-        'fe7dc0632a5033562f3cadff991f6e8d9b9b6311861660e78c3c82eb7db67f59')),
+    'rte': GlueTask(
+        'RTE',
+        True,
+        (1, 2),
+        3,
+        ('entailment', 'not_entailment'),
+        sha256=(
+            '41e3a9b063433392343fad9e962cf2f58b681c78d8f71592f4186f0837246c5c',
+            '80230dfa1347282e7b532b06a1004a76a710087541189bf874223ddf0e3819fb',
+        ),
+    ),
+    'stsb': GlueTask(
+        'STS-B',
+        True,
+        (7, 8),
+        9,
+        num_classes=1,
+        sha256=(
+            '41c4d978b6162abdcada7e49a982211954cca5459c228db478af333124b257a2',
+            'fe7dc0632a5033562f3cadff991f6e8d9b9b6311861660e78c3c82eb7db67f59',
+        ),
+    ),
 }
 _SPLIT_FILES = {'train': 'train', 'validation': 'dev'}
 
@@ -78,8 +118,9 @@ _SPLIT_FILES = {'train': 'train', 'validation': 'dev'}
 def raw_file(task: str, split: str) -> raw_files.RawFile:
   spec = TASKS[task]
   index = list(_SPLIT_FILES).index(split)
-  return raw_files.RawFile(f'glue/{spec.folder}/{_SPLIT_FILES[split]}.tsv', spec.source,
-                           spec.sha256[index])
+  return raw_files.RawFile(
+      f'glue/{spec.folder}/{_SPLIT_FILES[split]}.tsv', spec.source, spec.sha256[index]
+  )
 
 
 def parse_tsv(text: str, task: str, *, where: str) -> list[dict]:
@@ -94,20 +135,29 @@ def parse_tsv(text: str, task: str, *, where: str) -> list[dict]:
   for i, line in enumerate(lines):
     columns = line.split('\t')
     if len(columns) < width:
-      raise ValueError(f'{where}: line {i + 1 + spec.header} has {len(columns)} tab-separated '
-                       f'columns, GLUE {spec.folder} needs {width}: {line[:100]!r}')
+      raise ValueError(
+          f'{where}: line {i + 1 + spec.header} has {len(columns)} tab-separated '
+          f'columns, GLUE {spec.folder} needs {width}: {line[:100]!r}'
+      )
     label = columns[spec.label_column]
     if spec.label_names:
       if label not in spec.label_names:
-        raise ValueError(f'{where}: line {i + 1 + spec.header}: label {label!r} is not one of '
-                         f'{spec.label_names}.')
+        raise ValueError(
+            f'{where}: line {i + 1 + spec.header}: label {label!r} is not one of '
+            f'{spec.label_names}.'
+        )
       value = float(spec.label_names.index(label))
     else:
       value = float(label)
     sentences = [columns[c] for c in spec.sentence_columns]
-    examples.append({'sentence1': sentences[0],
-                     'sentence2': sentences[1] if len(sentences) > 1 else '',
-                     'label': value, 'idx': i})
+    examples.append(
+        {
+            'sentence1': sentences[0],
+            'sentence2': sentences[1] if len(sentences) > 1 else '',
+            'label': value,
+            'idx': i,
+        }
+    )
   return examples
 
 
@@ -115,18 +165,22 @@ class Glue(base.RawFileBuilder):
   """Five GLUE tasks, one builder config each."""
 
   name = 'glue'
-  BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=task, description=f'GLUE {spec.folder}')
-                     for task, spec in TASKS.items()]
+  BUILDER_CONFIGS = [
+      tfds.core.BuilderConfig(name=task, description=f'GLUE {spec.folder}')
+      for task, spec in TASKS.items()
+  ]
 
   def _info(self):
     return self._dataset_info(
         description='GLUE tasks (train and dev) as sentence or sentence-pair examples.',
-        features=tfds.features.FeaturesDict({
-            'sentence1': tfds.features.Text(),
-            'sentence2': tfds.features.Text(),
-            'label': np.float32,
-            'idx': np.int32,
-        }),
+        features=tfds.features.FeaturesDict(
+            {
+                'sentence1': tfds.features.Text(),
+                'sentence2': tfds.features.Text(),
+                'label': np.float32,
+                'idx': np.int32,
+            }
+        ),
         homepage=_HOMEPAGE,
         citation=_CITATION,
     )
@@ -145,7 +199,8 @@ class Glue(base.RawFileBuilder):
     elif local_dir is None:
       raise FileNotFoundError(
           f'glue/{task} has no public archive; make its files with {spec.source} and point '
-          f'data.data_dir / ${raw_files.DATA_DIR_ENV} at the folder holding glue/{spec.folder}.')
+          f'data.data_dir / ${raw_files.DATA_DIR_ENV} at the folder holding glue/{spec.folder}.'
+      )
     found = {}
     for split in _SPLIT_FILES:
       file = raw_file(task, split)
@@ -155,8 +210,10 @@ class Glue(base.RawFileBuilder):
         continue
       found[split] = path
     if not found:
-      raise FileNotFoundError(f'glue/{task}: no raw file under {local_dir}/glue/'
-                              f'{spec.folder}/ (train.tsv, dev.tsv).')
+      raise FileNotFoundError(
+          f'glue/{task}: no raw file under {local_dir}/glue/'
+          f'{spec.folder}/ (train.tsv, dev.tsv).'
+      )
     return {split: self._generate_examples(path, task) for split, path in found.items()}
 
   def _generate_examples(self, path, task):
@@ -165,6 +222,9 @@ class Glue(base.RawFileBuilder):
       yield example['idx'], example
 
 
-DATASETS = {f'glue/{task}': base.DatasetSpec(Glue, task, text_feature='sentence1',
-                                             splits=('train', 'validation'))
-            for task in TASKS}
+DATASETS = {
+    f'glue/{task}': base.DatasetSpec(
+        Glue, task, text_feature='sentence1', splits=('train', 'validation')
+    )
+    for task in TASKS
+}
