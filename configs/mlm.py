@@ -16,6 +16,21 @@ only sets what differs for the task. Variants: `configs/mlm.py:<variant>`.
         50,000 steps of 256 x 128 tokens (7 TFLOP per step, 350 PFLOP in all): estimated
         a few hours to a day on one accelerator; not practical on this CPU.
         Result: not measured yet.
+  bert_large  BERT-large of Devlin et al. (2019), for sizing a TPU run (the paper-scale row of
+        the issue for Bhojanapalli et al.): 24 layers, D=1024, 16 heads of 64, MLP 4096,
+        post-LayerNorm, erf GELU, the uncased WordPiece vocabulary (30,522) as base; rows of
+        512 tokens, 256 sequences per step (16 per chip on 16 chips, v5p-32; on N chips set
+        per_device_batch_size = 256 / N), 1,000,000 steps; AdamW 1e-4 (0.9, 0.999, 1e-6,
+        weight decay 0.01), 10,000 warmup steps then linear decay; dropout 0.1. BERT itself
+        ran 90% of the steps at L=128 and 10% at L=512: `--config.data.max_length=128
+        --config.num_train_steps=900000` is the first phase (tpu/compile_table.md prices
+        both phases and the 1M steps at 512).
+        Data: BERT's corpus (BooksCorpus + English Wikipedia, 3.3B words) is not shipped and
+        no pipeline at that scale is; the data set stays base's Shakespeare (a few MB), so a
+        run of this variant as is would repeat Shakespeare for a million steps. It has never
+        been trained. `python tpu/compile.py --table` compiles it with the pipeline's
+        element_spec only (no data read).
+        Result: not measured.
 
 Gates on every encoder head with Voita et al.'s L0 penalty:
   --config.model.attention.gated=True --config.l0_penalty_weight=0.01
@@ -58,6 +73,18 @@ def get_config(variant: str = 'base'):
     config.model.scale_embeddings = True
     config.model.type_vocab_size = 0
     config.lr_schedule = 'cosine'
+  elif variant == 'bert_large':
+    config.data.max_length = 512
+    config.model.emb_dim = 1024
+    config.model.mlp_dim = 4096
+    config.model.num_encoder_layers = 24
+    config.model.attention.num_heads = 16
+    config.per_device_batch_size = 16  # x 16 chips = BERT's 256 sequences
+    config.num_train_steps = 1_000_000
+    config.learning_rate = 1e-4
+    config.warmup_steps = 10_000
+    config.eval_every_steps = 10_000
+    config.checkpoint_every_steps = 10_000
   elif variant != 'base':
-    raise ValueError(f'configs/mlm.py: unknown variant {variant!r}; valid: base, tiny.')
+    raise ValueError(f'configs/mlm.py: unknown variant {variant!r}; valid: base, tiny, bert_large.')
   return config

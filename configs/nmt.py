@@ -31,6 +31,24 @@ only sets what differs for the task. Variants: `configs/nmt.py:<variant>`.
         python -m lowrank_attn.main --config=configs/nmt.py --workdir=runs/nmt
         Estimated from those FLOPs: ~3 days on this CPU, about an hour on one accelerator.
         Result: not measured yet.
+  transformer_big  Transformer-big of Vaswani et al. (2017, table 3) at its WMT14 En-De
+        batch, for sizing a TPU run (the paper-scale row of the issue for Cordonnier et al.):
+        6+6 layers, D=1024, 16 heads of 64, MLP 4096 (ReLU), post-LayerNorm, sinusoidal
+        positions, residual dropout 0.3, label smoothing 0.1, a shared SentencePiece 32k
+        vocabulary (the paper's BPE had ~37k) with tied embeddings; packed rows of 256 tokens
+        per side, 6 rows per chip: on 16 chips (v5p-32) 96 x 256 = 24,576 token slots per
+        side, the paper's ~25k source + 25k target tokens (on N chips set
+        per_device_batch_size = 96 / N); AdamW(0.9, 0.98, 1e-9), 4,000 warmup steps to 4.9e-4
+        (= 1024^-0.5 x 4000^-0.5, the paper's peak) then inverse square root; 300,000 steps
+        as the paper's big model; beam 4, alpha 0.6.
+        Data: the official TFDS `wmt14_translate/de-en` (4.5M pairs; `tfds build` it first,
+        see lowrank_attn/data/datasets.py). No pipeline at this scale is shipped or tested
+        here: packing 4.5M pairs through our Python pipeline is untried, and this variant has
+        never been trained. `python tpu/compile.py --table` compiles it with the pipeline's
+        element_spec only (no data read): fit, step time and the chip-hours of the 300k steps
+        are in tpu/compile_table.md.
+        python -m lowrank_attn.main --config=configs/nmt.py:transformer_big --workdir=...
+        Result: not measured.
 
 Per attention type, e.g. collaborative keys in the encoder only, gates on all three:
   --config.model.encoder_attention.kind=collaborative --config.model.attention.gated=True
@@ -88,6 +106,32 @@ def get_config(variant: str = 'base'):
     config.decode.max_length = 40
     config.decode.beam_size = 1  # greedy
     config.decode.num_examples = 64
+  elif variant == 'transformer_big':
+    config.data.name = 'wmt14_translate/de-en'
+    config.data.vocab_size = 32_000  # shared source/target SentencePiece
+    config.data.packing = True
+    config.data.max_length = 256  # tokens per side of a packed row
+    config.model.max_length = 256
+    config.model.emb_dim = 1024
+    config.model.mlp_dim = 4096
+    config.model.attention.num_heads = 16
+    config.model.norm = 'post'  # Vaswani et al.'s layout: LN(x + f(x))
+    config.model.activation = 'relu'
+    config.model.positions = 'sinusoidal'
+    config.model.dropout_rate = 0.3  # the paper's P_drop for big on En-De
+    config.per_device_batch_size = 6  # x 16 chips x 256 = 24,576 tokens per side
+    config.num_train_steps = 300_000
+    config.learning_rate = 4.9e-4  # 1024^-0.5 x 4000^-0.5: the paper's rate at the warmup's end
+    config.lr_schedule = 'inverse_sqrt'
+    config.warmup_steps = 4_000
+    config.eval_every_steps = 10_000
+    config.checkpoint_every_steps = 5_000
+    config.decode.max_length = 256
+    config.decode.length_penalty = 0.6
+    config.decode.num_examples = 256
   elif variant != 'base':
-    raise ValueError(f'configs/nmt.py: unknown variant {variant!r}; valid: base, multi30k, tiny.')
+    raise ValueError(
+        f'configs/nmt.py: unknown variant {variant!r}; valid: base, multi30k, tiny, '
+        'transformer_big.'
+    )
   return config

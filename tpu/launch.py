@@ -45,8 +45,15 @@ REMOTE_DIR = '~/lowrank_attn'
 REMOTE_LOG = '~/lowrank_attn_run.log'
 ARCHIVE = '/tmp/lowrank_attn_src.tar.gz'
 # Local state that must not travel: virtualenvs, runs, caches, VCS metadata.
-ARCHIVE_EXCLUDES = ('.venv', '.git', 'runs', '__pycache__', '*.egg-info', '.hypothesis',
-                    '.pytest_cache')
+ARCHIVE_EXCLUDES = (
+    '.venv',
+    '.git',
+    'runs',
+    '__pycache__',
+    '*.egg-info',
+    '.hypothesis',
+    '.pytest_cache',
+)
 # Preempted spot/preemptible VMs end in one of these; a queued resource is SUSPENDED/FAILED.
 PREEMPTED_STATES = ('PREEMPTED', 'TERMINATED', 'SUSPENDED', 'FAILED', 'NOT_FOUND')
 DONE_MARKER = 'done:'  # the training loop's last line (lowrank_attn/train/train.py)
@@ -74,8 +81,9 @@ class Gcloud:
     print('$ ' + shlex.join(argv), flush=True)
     if self.dry_run:
       return ''
-    result = subprocess.run(argv, check=check, text=True,
-                            stdout=subprocess.PIPE if capture else None)
+    result = subprocess.run(
+        argv, check=check, text=True, stdout=subprocess.PIPE if capture else None
+    )
     return result.stdout or ''
 
 
@@ -92,12 +100,30 @@ def create(gcloud: Gcloud, args) -> None:
   if args.queued:
     # Queued resources wait for capacity instead of failing (gcloud compute tpus
     # queued-resources create); `check` refused --preemptible, which they do not take.
-    argv = ['gcloud', 'compute', 'tpus', 'queued-resources', 'create', args.name,
-            f'--node-id={args.name}', *_location(args),
-            f'--accelerator-type={slice_.accelerator_type}', f'--runtime-version={version}']
+    argv = [
+        'gcloud',
+        'compute',
+        'tpus',
+        'queued-resources',
+        'create',
+        args.name,
+        f'--node-id={args.name}',
+        *_location(args),
+        f'--accelerator-type={slice_.accelerator_type}',
+        f'--runtime-version={version}',
+    ]
   else:
-    argv = ['gcloud', 'compute', 'tpus', 'tpu-vm', 'create', args.name, *_location(args),
-            f'--accelerator-type={slice_.accelerator_type}', f'--version={version}']
+    argv = [
+        'gcloud',
+        'compute',
+        'tpus',
+        'tpu-vm',
+        'create',
+        args.name,
+        *_location(args),
+        f'--accelerator-type={slice_.accelerator_type}',
+        f'--version={version}',
+    ]
     if args.preemptible:
       argv.append('--preemptible')
   if args.spot:
@@ -108,20 +134,42 @@ def create(gcloud: Gcloud, args) -> None:
 
 
 def _ssh(args, command: str, worker: str = 'all') -> list[str]:
-  return ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', args.name, *_location(args),
-          f'--worker={worker}', f'--command={command}']
+  return [
+      'gcloud',
+      'compute',
+      'tpus',
+      'tpu-vm',
+      'ssh',
+      args.name,
+      *_location(args),
+      f'--worker={worker}',
+      f'--command={command}',
+  ]
 
 
 def setup(gcloud: Gcloud, args) -> None:
   """Code on every worker, then `pip install -e '.[tpu]'` in a Python >= 3.11 virtualenv."""
   if args.repo:
-    fetch = (f'rm -rf {REMOTE_DIR} && git clone --quiet {shlex.quote(args.repo)} {REMOTE_DIR}'
-             f' && git -C {REMOTE_DIR} checkout --quiet {shlex.quote(args.ref)}')
+    fetch = (
+        f'rm -rf {REMOTE_DIR} && git clone --quiet {shlex.quote(args.repo)} {REMOTE_DIR}'
+        f' && git -C {REMOTE_DIR} checkout --quiet {shlex.quote(args.ref)}'
+    )
   else:
     excludes = [f'--exclude={pattern}' for pattern in ARCHIVE_EXCLUDES]
     gcloud(['tar', '-czf', ARCHIVE, *excludes, '-C', REPO_ROOT, '.'])
-    gcloud(['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', ARCHIVE, f'{args.name}:~/',
-            *_location(args), '--worker=all'])
+    gcloud(
+        [
+            'gcloud',
+            'compute',
+            'tpus',
+            'tpu-vm',
+            'scp',
+            ARCHIVE,
+            f'{args.name}:~/',
+            *_location(args),
+            '--worker=all',
+        ]
+    )
     archive = '~/' + os.path.basename(ARCHIVE)
     fetch = f'rm -rf {REMOTE_DIR} && mkdir -p {REMOTE_DIR} && tar -xzf {archive} -C {REMOTE_DIR}'
   python = args.python
@@ -132,7 +180,8 @@ def setup(gcloud: Gcloud, args) -> None:
       f' && cd {REMOTE_DIR} && {python} -m venv .venv'
       ' && .venv/bin/pip install -q --upgrade pip'
       " && .venv/bin/pip install -q -e '.[tpu]'"
-      f' && .venv/bin/pip install -q --no-deps {shlex.join(NO_DEPS_PACKAGES)}')
+      f' && .venv/bin/pip install -q --no-deps {shlex.join(NO_DEPS_PACKAGES)}'
+  )
   gcloud(_ssh(args, f'set -e; {fetch}; {install}'))
 
 
@@ -146,8 +195,10 @@ def train_command(args) -> str:
   """The shell command each worker runs: detached from ssh, logging to REMOTE_LOG."""
   train = '.venv/bin/python -m lowrank_attn.main ' + shlex.join(main_args(args))
   # setsid + nohup: the run outlives the ssh session; appending keeps earlier attempts' logs.
-  return (f'cd {REMOTE_DIR} && echo "=== launch $(date -u +%FT%TZ)" >> {REMOTE_LOG} && '
-          f'setsid nohup {train} >> {REMOTE_LOG} 2>&1 < /dev/null &')
+  return (
+      f'cd {REMOTE_DIR} && echo "=== launch $(date -u +%FT%TZ)" >> {REMOTE_LOG} && '
+      f'setsid nohup {train} >> {REMOTE_LOG} 2>&1 < /dev/null &'
+  )
 
 
 def run(gcloud: Gcloud, args) -> None:
@@ -156,17 +207,32 @@ def run(gcloud: Gcloud, args) -> None:
 
 def logs(gcloud: Gcloud, args) -> None:
   follow = '-f ' if args.follow else ''
-  gcloud(_ssh(args, f'tail -n {args.lines} {follow}{REMOTE_LOG}', worker=args.worker),
-         check=False)
+  gcloud(_ssh(args, f'tail -n {args.lines} {follow}{REMOTE_LOG}', worker=args.worker), check=False)
 
 
 def state(gcloud: Gcloud, args) -> str:
   if args.queued:
-    argv = ['gcloud', 'compute', 'tpus', 'queued-resources', 'describe', args.name,
-            *_location(args), '--format=value(state.state)']
+    argv = [
+        'gcloud',
+        'compute',
+        'tpus',
+        'queued-resources',
+        'describe',
+        args.name,
+        *_location(args),
+        '--format=value(state.state)',
+    ]
   else:
-    argv = ['gcloud', 'compute', 'tpus', 'tpu-vm', 'describe', args.name, *_location(args),
-            '--format=value(state)']
+    argv = [
+        'gcloud',
+        'compute',
+        'tpus',
+        'tpu-vm',
+        'describe',
+        args.name,
+        *_location(args),
+        '--format=value(state)',
+    ]
   if gcloud.dry_run:
     gcloud(argv)
     return 'READY'
@@ -192,11 +258,19 @@ def status(gcloud: Gcloud, args) -> None:
 
 def delete(gcloud: Gcloud, args) -> None:
   if args.queued:  # --force also deletes the TPU VM the request created
-    argv = ['gcloud', 'compute', 'tpus', 'queued-resources', 'delete', args.name,
-            *_location(args), '--force', '--quiet']
+    argv = [
+        'gcloud',
+        'compute',
+        'tpus',
+        'queued-resources',
+        'delete',
+        args.name,
+        *_location(args),
+        '--force',
+        '--quiet',
+    ]
   else:
-    argv = ['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', args.name, *_location(args),
-            '--quiet']
+    argv = ['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', args.name, *_location(args), '--quiet']
   gcloud(argv, check=False)
 
 
@@ -223,8 +297,11 @@ def watch(gcloud: Gcloud, args) -> None:
       if relaunches >= args.max_relaunches:
         raise SystemExit(f'{args.name} is {current}; gave up after {relaunches} relaunches.')
       relaunches += 1
-      print(f'{args.name} is {current}: relaunch {relaunches} (resumes from the last '
-            f'checkpoint in {args.workdir})', flush=True)
+      print(
+          f'{args.name} is {current}: relaunch {relaunches} (resumes from the last '
+          f'checkpoint in {args.workdir})',
+          flush=True,
+      )
       delete(gcloud, args)
       up(gcloud, args)
     elif finished(gcloud, args):
@@ -235,8 +312,16 @@ def watch(gcloud: Gcloud, args) -> None:
     time.sleep(args.poll_secs)
 
 
-COMMANDS = {'create': create, 'setup': setup, 'run': run, 'up': up, 'logs': logs,
-            'status': status, 'watch': watch, 'delete': delete}
+COMMANDS = {
+    'create': create,
+    'setup': setup,
+    'run': run,
+    'up': up,
+    'logs': logs,
+    'status': status,
+    'watch': watch,
+    'delete': delete,
+}
 
 
 def parse_args(argv=None):
@@ -244,31 +329,40 @@ def parse_args(argv=None):
   train_args = []
   if '--' in argv:  # everything after `--` goes to lowrank_attn.main
     split = argv.index('--')
-    argv, train_args = argv[:split], argv[split + 1:]
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog=__doc__.split('\n', 1)[1])
+    argv, train_args = argv[:split], argv[split + 1 :]
+  parser = argparse.ArgumentParser(
+      description=__doc__.split('\n')[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog=__doc__.split('\n', 1)[1],
+  )
   parser.add_argument('command', choices=COMMANDS)
   parser.add_argument('--name', required=True, help='TPU VM (and queued resource) name')
   parser.add_argument('--zone', required=True, help='e.g. us-west4-a (v5e), us-central2-b (v4)')
   parser.add_argument('--project', help='default: gcloud config get-value project')
-  parser.add_argument('--type', help="accelerator type: 'v4-32', 'v5litepod-16' (= 'v5e-16'), "
-                      "'v5p-32', 'v6e-8' (create, up, watch)")
-  parser.add_argument('--runtime_version',
-                      help="default: the chip's JAX runtime (lowrank_attn/chips.py)")
+  parser.add_argument(
+      '--type',
+      help="accelerator type: 'v4-32', 'v5litepod-16' (= 'v5e-16'), "
+      "'v5p-32', 'v6e-8' (create, up, watch)",
+  )
+  parser.add_argument(
+      '--runtime_version', help="default: the chip's JAX runtime (lowrank_attn/chips.py)"
+  )
   parser.add_argument('--spot', action='store_true', help='spot capacity (preemptible, cheap)')
   parser.add_argument('--preemptible', action='store_true', help='legacy preemptible VM')
-  parser.add_argument('--queued', action='store_true',
-                      help='request through a queued resource (waits for capacity)')
+  parser.add_argument(
+      '--queued', action='store_true', help='request through a queued resource (waits for capacity)'
+  )
   parser.add_argument('--workdir', help='gs:// directory for checkpoints, metrics and data')
-  parser.add_argument('--repo', help='git URL to clone on the workers instead of copying '
-                      'this checkout')
+  parser.add_argument(
+      '--repo', help='git URL to clone on the workers instead of copying ' 'this checkout'
+  )
   parser.add_argument('--ref', default='main', help='--repo branch, tag or commit')
   parser.add_argument('--python', default='python3.11', help='interpreter on the workers')
   parser.add_argument('--worker', default='0', help="logs: which worker's log")
   parser.add_argument('--lines', type=int, default=100, help='logs: lines shown')
-  parser.add_argument('--follow', action=argparse.BooleanOptionalAction, default=True,
-                      help='logs: keep following')
+  parser.add_argument(
+      '--follow', action=argparse.BooleanOptionalAction, default=True, help='logs: keep following'
+  )
   parser.add_argument('--poll_secs', type=float, default=60.0, help='watch: seconds per poll')
   parser.add_argument('--max_relaunches', type=int, default=20)
   parser.add_argument('--dry_run', action='store_true', help='print the gcloud commands only')
@@ -291,11 +385,15 @@ def parse_args(argv=None):
 def check(args) -> None:
   """BadArguments unless every argument is sane and the training command would start."""
   if not re.fullmatch(NAME_PATTERN, args.name):
-    raise BadArguments(f'--name={args.name!r}: gcloud names are 1-63 lowercase letters, digits '
-                       'and hyphens, starting with a letter and not ending with a hyphen.')
+    raise BadArguments(
+        f'--name={args.name!r}: gcloud names are 1-63 lowercase letters, digits '
+        'and hyphens, starting with a letter and not ending with a hyphen.'
+    )
   if not re.fullmatch(ZONE_PATTERN, args.zone):
-    raise BadArguments(f'--zone={args.zone!r} is not a zone such as us-west4-a or '
-                       'us-central2-b (`gcloud compute tpus locations list`).')
+    raise BadArguments(
+        f'--zone={args.zone!r} is not a zone such as us-west4-a or '
+        'us-central2-b (`gcloud compute tpus locations list`).'
+    )
   if args.queued and args.preemptible:
     raise BadArguments('--preemptible is not a queued-resource option; use --spot.')
   for name, low in (('poll_secs', 1e-3), ('max_relaunches', 0), ('lines', 1)):
@@ -304,17 +402,19 @@ def check(args) -> None:
   if args.command not in TRAINING_COMMANDS:
     return
   if not re.fullmatch(GCS_PATTERN, args.workdir):
-    raise BadArguments(f'--workdir={args.workdir!r} must be a gs://BUCKET/... path: the workers '
-                       'share no disk, and a slice recreated after preemption starts empty.')
+    raise BadArguments(
+        f'--workdir={args.workdir!r} must be a gs://BUCKET/... path: the workers '
+        'share no disk, and a slice recreated after preemption starts empty.'
+    )
   if not any(a.startswith('--config=') or a == '--config' for a in args.train_args):
     raise BadArguments('give the training command after `--`, e.g. -- --config=configs/nmt.py')
   num_devices = chips.parse_accelerator_type(args.type).num_chips if args.type else None
-  check_training_command(main_args(args), num_devices=num_devices,
-                         checkout=None if args.repo else REPO_ROOT)
+  check_training_command(
+      main_args(args), num_devices=num_devices, checkout=None if args.repo else REPO_ROOT
+  )
 
 
-def check_training_command(argv: list[str], num_devices: int | None,
-                           checkout: str | None) -> None:
+def check_training_command(argv: list[str], num_devices: int | None, checkout: str | None) -> None:
   """`python -m lowrank_attn.main ARGV` as its workers would start it: parsed, validated and
   pre-flighted here by the command's own code (`lowrank_attn.main.parse` and `.check`), on
   `num_devices` devices (one per chip on every slice in `chips`; None: the mesh is not
@@ -325,8 +425,10 @@ def check_training_command(argv: list[str], num_devices: int | None,
     from lowrank_attn import main as main_lib  # pylint: disable=import-outside-toplevel
     from lowrank_attn.train import preflight  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    raise BadArguments(f'checking the training command needs the package installed here '
-                       f'(`make venv` or `pip install -e .`): {e}') from None
+    raise BadArguments(
+        f'checking the training command needs the package installed here '
+        f'(`make venv` or `pip install -e .`): {e}'
+    ) from None
   argv = ['lowrank_attn.main', *argv]
   flag_values = flags.FlagValues()
   main_lib.define_flags(flag_values, sys_argv=argv)
@@ -346,6 +448,7 @@ def check_training_command(argv: list[str], num_devices: int | None,
 
 def _absl_flag(arg: str) -> bool:
   from absl import flags  # pylint: disable=import-outside-toplevel
+
   name = arg.lstrip('-')
   return arg.startswith('-') and (name in flags.FLAGS or name.removeprefix('no') in flags.FLAGS)
 
@@ -359,8 +462,11 @@ def main(argv=None) -> None:
     sys.exit(2)
   if args.type:
     slice_ = chips.parse_accelerator_type(args.type)
-    print(f'# {slice_.accelerator_type}: {slice_.num_chips} {slice_.chip.name} chips on '
-          f'{slice_.num_hosts} worker(s)', flush=True)
+    print(
+        f'# {slice_.accelerator_type}: {slice_.num_chips} {slice_.chip.name} chips on '
+        f'{slice_.num_hosts} worker(s)',
+        flush=True,
+    )
   COMMANDS[args.command](Gcloud(args.dry_run), args)
 
 

@@ -152,6 +152,7 @@ def test_the_classifier_holds_the_encoder_of_bert_without_the_mlm_head(minilm_di
   }
 
 
+@pytest.mark.slow  # ~2 minutes on 2 cores (make test-all): 1,500 pairs through MiniLM
 def test_minilm_zero_shot_stsb_matches_its_published_score(tfds_dir):
   """all-MiniLM-L6-v2's mean-pooled cosine similarity on STS-B dev has a Spearman of about
   86.7 (its model card's STS-B figure; ../shared/data/README.md). Read through our builder,

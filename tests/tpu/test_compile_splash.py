@@ -16,7 +16,8 @@ from lowrank_attn.train import config as config_lib
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec('libtpu') is None,
-    reason="libtpu is not installed (pip install -e '.[tpu]', or run `make test-tpu`)")
+    reason="libtpu is not installed (pip install -e '.[tpu]', or run `make test-tpu`)",
+)
 
 
 @needs_libtpu
@@ -26,8 +27,9 @@ def test_tiny_nmt_with_splash_compiles_for_v5e_2x2(tmp_path):
   config = config_lib.load(f'{ROOT}/configs/nmt.py:tiny')
   assert config.data.packing  # segment ids in every attention type
   config.model.attention.implementation = 'splash'
-  report = tool.compile_train_step(config, 'v5e:2x2', name='nmt:tiny splash',
-                                   dump_hlo=str(tmp_path))
+  report = tool.compile_train_step(
+      config, 'v5e:2x2', name='nmt:tiny splash', dump_hlo=str(tmp_path)
+  )
   print(report.describe())
   assert report.num_chips == 4 and report.mesh == {'data': 4, 'fsdp': 1, 'tensor': 1}
   assert 0 < report.hbm_bytes < tool.chips.CHIPS['v5e'].hbm_bytes
@@ -55,8 +57,9 @@ def test_xla_cost_analysis_leaves_the_splash_kernel_out():
   devices, chip = tool.topology_devices('v5e:2x2')
   mesh = jax.sharding.Mesh(devices[:1], ('x',))
   batch, length, heads, head_dim = 2, 512, 4, 128
-  spec = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16,
-                              sharding=NamedSharding(mesh, P()))
+  spec = jax.ShapeDtypeStruct(
+      (batch, length, heads, head_dim), jnp.bfloat16, sharding=NamedSharding(mesh, P())
+  )
 
   def einsums(q, k, v):
     logits = jnp.einsum('bqhd,bkhd->bhqk', q, k, preferred_element_type=jnp.float32)

