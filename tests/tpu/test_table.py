@@ -354,3 +354,12 @@ def test_hbm_bytes_by_kind_by_hand():
       'collective': 2 * 4 * 32768,  # reads and writes the bitcast's f32[32768]
       'elementwise': 2 * 64 * 512 + 4 * 64 * 512,  # fusion.2: bf16 in, f32 out
   }
+
+
+def test_the_goal_is_v5p_32s_and_other_slices_only_say_their_bound():
+  model = dict(emb_dim=512, vocab=256, task='lm', length=256, head_dim=64)
+  fast = report(mfu=0.6, xla_flops=1e12, xla_bytes=1e10)  # memory-bound, over the goal
+  on_v5p = compile_tool.main_row('lm', 'v5p:2x2x4', fast, [], 0.5, **model).split(' | ')
+  assert on_v5p[9] == '60% (50%)' and on_v5p[14] == 'goal met'
+  on_v5e = compile_tool.main_row('lm', 'v5e:4x4', fast, [], 0.5, **model).split(' | ')
+  assert on_v5e[9] == '60%' and on_v5e[14].startswith('memory-bound: 100 < 166 FLOP/B')
