@@ -202,7 +202,8 @@ def keep_predictions(results, args) -> None:
     if path.exists():
       continue
     found = sorted(
-        pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob(f'*/{PREDICTIONS}')
+        pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob(f'*/{PREDICTIONS}'),
+        key=lambda p: int(p.parent.name),  # the last step's ('10' after '9')
     )
     if found:
       target.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,7 @@ import sys
 import numpy as np
 
 from experiments import runner
+from experiments.collaborative.glue_reparam import keep_predictions
 
 HERE = pathlib.Path(__file__).resolve().parent
 OUT = HERE / 'glue'
@@ -88,7 +89,6 @@ LAMBDAS = (0.003, 0.01, 0.03, 0.1, 0.3)
 LEVELS = tuple(k / 10 for k in range(10))  # 0%, 10%, ..., 90% of the heads removed
 ROLES = HERE / 'roles' / 'minilm' / 'roles.json'
 GATE_LEARNING_RATE = 0.05
-PREDICTIONS = 'validation_predictions.json'
 ANALYSIS_FILE = 'pruning.json'
 ANALYSIS_PREDICTIONS = 'predictions.json'
 GATES_FILE = 'gates.json'
@@ -628,23 +628,6 @@ def grid(runs, args):
   )
   keep_predictions(results, args)
   return results
-
-
-def keep_predictions(results, args) -> None:
-  """Copies each finished fine-tune's dev predictions next to the results (the bootstrap reads
-  them; run directories may not survive)."""
-  target = args.out / 'predictions'
-  for entry in results['runs']:
-    path = target / f'{entry["name"]}.json'
-    if path.exists():
-      continue
-    found = sorted(
-        pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob(f'*/{PREDICTIONS}'),
-        key=lambda p: int(p.parent.name),
-    )
-    if found:
-      target.mkdir(parents=True, exist_ok=True)
-      shutil.copyfile(found[-1], path)
 
 
 def keep_analyses(results, args) -> None:
