@@ -80,7 +80,9 @@ def get_config(variant: str = 'stsb'):
   config.num_train_steps = steps
   config.warmup_steps = steps // 10
   config.eval_every_steps = 0  # the dev set once, at the end (the final evaluation)
-  config.checkpoint_every_steps = max(steps // 3, 1)
+  # A third of the run, but at most 500 steps (about 25 minutes on a 2-core CPU), so that a run
+  # longer than a session loses little when it is stopped without a signal.
+  config.checkpoint_every_steps = max(min(steps // 3, 500), 1)
 
   if variant == 'tiny':
     config_lib.shrink(config, emb_dim=64, num_layers=2, num_heads=4, length=64, steps=20, batch=8)
