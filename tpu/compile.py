@@ -973,8 +973,8 @@ def _best(trials: list[Trial]) -> Report | None:
 # What would shrink each kind of HBM traffic (`hbm_bytes_by_kind`).
 BYTE_LIFTS = {
     'vocab': (
-        "the output layer's [tokens, {vocab:,}] logits, their softmax and gradient: a "
-        'cross-entropy fused with the output product, never writing them to HBM{masked}'
+        "the output layer's [outputs, {vocab:,}] logits, their softmax and gradient: a "
+        'cross-entropy fused with the output product, never writing them to HBM'
     ),
     'elementwise': (
         'norms, activations, dropout masks, residuals, the optimizer: fewer passes '
@@ -994,7 +994,6 @@ def lift_note(
     *,
     emb_dim: int,
     vocab: int,
-    task: str,
     length: int,
     head_dim: int,
 ) -> str:
@@ -1047,10 +1046,9 @@ def lift_note(
   shares = report.byte_shares
   for kind, share in sorted(shares.items(), key=lambda kv: -kv[1]):
     if kind != 'matmul' and share >= SIGNIFICANT_SHARE:
-      masked = ', or logits at the predicted (masked) positions only' if task == 'mlm' else ''
       notes.append(
           f'{kind} ops move {100 * share:.0f}% of the bytes ('
-          + BYTE_LIFTS[kind].format(vocab=vocab, masked=masked)
+          + BYTE_LIFTS[kind].format(vocab=vocab)
           + ')'
       )
   if ratio > 1.05:
@@ -1293,7 +1291,6 @@ def write_table(
               goal,
               emb_dim=config.model.emb_dim,
               vocab=vocab_size(config),
-              task=config.task,
               length=config.data.max_length,
               head_dim=config.model.emb_dim // config.model.attention.num_heads,
           )

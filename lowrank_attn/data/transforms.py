@@ -5,6 +5,8 @@ arrays; the pad id is 0 for every tokenizer. Segment ids number the examples of 
 (0 = padding); positions restart at 0 in every segment.
 """
 
+import math
+
 from grain.experimental import ConcatThenSplitIterDataset
 import numpy as np
 
@@ -65,6 +67,13 @@ def concat_then_split(it, lengths: dict[str, int], length_key: str):
   return it.map(RenamePacked(tuple(lengths), length_key))
 
 
+def max_predictions(length: int, probability: float) -> int:
+  """Masked positions per row of `length` tokens: ceil(length * probability), BERT's
+  `max_predictions_per_seq` (20 at 128 tokens; BERT used 80 at 512, this gives 77). A row's
+  round(n * probability) chosen tokens never exceed it, since n <= length."""
+  return max(1, math.ceil(length * probability))
+
+
 def mask_tokens(
     tokens: np.ndarray,
     segment_ids: np.ndarray,
@@ -72,23 +81,46 @@ def mask_tokens(
     probability: float,
     rng: np.random.Generator,
 ) -> dict[str, np.ndarray]:
-  """BERT masked-LM corruption (Devlin et al. 2019, sec. 3.1).
+  """BERT masked-LM corruption (Devlin et al. 2019, sec. 3.1, as its create_pretraining_data
+  draws it): in each row, round(n * probability) (at least one) of its n real, non-special
+  tokens are chosen uniformly at random; a chosen token becomes [MASK] 80% of the time, a random
+  regular token 10%, and stays unchanged 10%.
 
-  Each real, non-special token is chosen with `probability`; a chosen token becomes [MASK]
-  80% of the time, a random regular token 10%, and stays unchanged 10%. Loss weights are 1
-  exactly on chosen tokens; targets are the original tokens.
+  Returns `inputs` `[rows, length]` (the corrupted tokens) and, `[rows, P]` with P =
+  `max_predictions(length, probability)`, BERT's masked_lm_positions/ids/weights:
+  `masked_positions` (the chosen positions in increasing order, then 0), `targets` (the
+  original tokens there) and `weights` (1 on the chosen, 0 on unused slots). The model
+  computes logits at those positions only.
   """
-  special = (segment_ids == 0) | (tokens == tokenizer.bos_id) | (tokens == tokenizer.eos_id)
-  chosen = (rng.random(tokens.shape) < probability) & ~special
-  action = rng.random(tokens.shape)
-  inputs = tokens.copy()
-  inputs[chosen & (action < 0.8)] = tokenizer.mask_id
-  randomized = chosen & (action >= 0.8) & (action < 0.9)
-  inputs[randomized] = rng.integers(
-      tokenizer.first_regular_id, tokenizer.vocab_size, size=int(randomized.sum())
+  rows, length = tokens.shape
+  slots = max_predictions(length, probability)
+  eligible = (segment_ids > 0) & (tokens != tokenizer.bos_id) & (tokens != tokenizer.eos_id)
+  counts = eligible.sum(axis=1)
+  chosen_count = np.where(counts > 0, np.maximum(1, np.rint(counts * probability)), 0)
+  used = np.arange(slots)[None, :] < chosen_count[:, None]  # [rows, slots]
+  # The eligible tokens with the smallest random keys are chosen: a uniform draw of each count.
+  keys = np.where(eligible, rng.random(tokens.shape), np.inf)
+  first = np.argsort(keys, axis=1, kind='stable')[:, :slots]
+  positions = np.sort(np.where(used, first, length), axis=1)
+  positions = np.where(used, positions, 0).astype(np.int32)
+  row_index = np.broadcast_to(np.arange(rows)[:, None], positions.shape)
+  targets = np.where(used, tokens[row_index, positions], 0).astype(np.int32)
+
+  action = rng.random(positions.shape)
+  replacement = np.where(
+      action < 0.8,
+      tokenizer.mask_id,
+      np.where(
+          action < 0.9,
+          rng.integers(tokenizer.first_regular_id, tokenizer.vocab_size, size=positions.shape),
+          targets,
+      ),
   )
+  inputs = tokens.astype(np.int32).copy()
+  inputs[row_index[used], positions[used]] = replacement[used]
   return {
-      'inputs': inputs.astype(np.int32),
-      'targets': tokens.astype(np.int32),
-      'weights': chosen.astype(np.float32),
+      'inputs': inputs,
+      'masked_positions': positions,
+      'targets': targets,
+      'weights': used.astype(np.float32),
   }

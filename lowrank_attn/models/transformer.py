@@ -372,8 +372,11 @@ class EncoderMLM(_Model):
       head_masks: HeadMasks = None,
       return_weights: bool = False,
       return_logits: bool = False,
+      output_positions: Array | None = None,
   ):
-    """inputs `[batch, length]` int (with mask tokens) -> (logits, aux)."""
+    """inputs `[batch, length]` int (with mask tokens) -> (logits `[batch, length, vocab]`,
+    aux); with `output_positions` `[batch, P]` int, the logits at those positions only
+    (`[batch, P, vocab]`: BERT's gather of the masked positions before the output layer)."""
     x, extras = self.encode(
         inputs,
         positions=positions,
@@ -385,6 +388,8 @@ class EncoderMLM(_Model):
         return_weights=return_weights,
         return_logits=return_logits,
     )
+    if output_positions is not None:
+      x = jnp.take_along_axis(x, output_positions[..., None], axis=1)
     h = self.head_norm(self.activation(dense_2d(self.head_dense, x)))
     logits = self._logits(h) + self.output_bias[...].astype(jnp.float32)
     return logits, self._aux(extras)
@@ -416,12 +421,14 @@ class EncoderMLM(_Model):
         return_logits=return_logits,
     )
 
-  def flops(self, batch_size: int, length: int) -> int:
-    tokens = batch_size * length
+  def flops(self, batch_size: int, length: int, predictions: int | None = None) -> int:
+    """Forward matmul FLOPs; the output layer at `predictions` positions per row (default:
+    every position)."""
+    outputs = batch_size * (length if predictions is None else predictions)
     return (
         self.encoder.flops(batch_size, length)
-        + 2 * tokens * self.cfg.emb_dim**2
-        + self._logits_flops(tokens)
+        + 2 * outputs * self.cfg.emb_dim**2
+        + self._logits_flops(outputs)
     )
 
 

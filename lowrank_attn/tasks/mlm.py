@@ -1,8 +1,11 @@
 """BERT-style masked language modelling on an encoder (`models.EncoderMLM`).
 
-Batch keys, all `[batch, max_length]` (weights float32, the rest int32): inputs (with [MASK]s),
-targets (the original tokens), weights (1 on the tokens to predict), segment_ids, positions.
-Rows hold [bos] text [eos] documents (BERT's [CLS] ... [SEP]), concatenated and cut with
+Batch keys (int32 but weights): `[batch, max_length]` inputs (with [MASK]s), segment_ids,
+positions; `[batch, P]` with P = `transforms.max_predictions` (BERT's max_predictions_per_seq)
+masked_positions, targets (the original tokens there) and weights (float32, 1 on the predicted
+tokens, 0 on unused slots). The model's output layer runs at the masked positions only: the
+`[tokens, vocab]` logits of every other token were a third of a TPU step's memory traffic
+(`tpu/compile_table.md`). Rows hold [bos] text [eos] documents (BERT's [CLS] ... [SEP]), concatenated and cut with
 data.packing, one per row without; the corruption is drawn per batch (`finish_batch`) from
 the pipeline's position, so a resumed run masks the same tokens.
 """
@@ -51,10 +54,16 @@ class MLMFormat(RowFormat):
     }
 
   def element_spec(self, config, *, batch_size, train):
-    shape = (batch_size, config.max_length)
+    rows = (batch_size, config.max_length)
+    slots = (batch_size, transforms.max_predictions(config.max_length, config.mlm_probability))
     return {
-        key: ArraySpec(shape, np.dtype(np.float32 if key == 'weights' else np.int32))
-        for key in ('inputs', 'targets', 'weights', 'segment_ids', 'positions')
+        **{
+            key: ArraySpec(rows, np.dtype(np.int32))
+            for key in ('inputs', 'segment_ids', 'positions')
+        },
+        'masked_positions': ArraySpec(slots, np.dtype(np.int32)),
+        'targets': ArraySpec(slots, np.dtype(np.int32)),
+        'weights': ArraySpec(slots, np.dtype(np.float32)),
     }
 
   def finish_batch(self, batch, *, tokenizer, config, rng):
@@ -72,13 +81,28 @@ class MLMFormat(RowFormat):
     return format_lib.concat_rows(examples, encode, 'tokens', config.max_length)
 
 
+def _forward(model, batch, **options):
+  """Logits `[batch, P, vocab]` at the masked positions."""
+  return model(
+      batch['inputs'],
+      positions=batch.get('positions'),
+      segment_ids=batch.get('segment_ids'),
+      output_positions=batch['masked_positions'],
+      **options,
+  )
+
+
+def _flops(model, shapes) -> int:
+  return model.flops(*shapes['inputs'][:2], predictions=shapes['masked_positions'][1])
+
+
 TASK = base.Task(
     name='mlm',
     attention_types=('encoder',),
     data_format=MLMFormat(),
     create_model=lambda config, model_cfg, bos_id, rngs: models.EncoderMLM(model_cfg, rngs=rngs),
-    forward=base.sequence_forward,
-    flops=base.sequence_flops,
+    forward=_forward,
+    flops=_flops,
     real_tokens=base.segment_tokens,
     model_class=models.EncoderMLM,
 )

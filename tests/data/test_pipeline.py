@@ -213,20 +213,34 @@ def test_processes_read_disjoint_shards_and_eval_passes_have_equal_length(pipeli
 
 
 def test_mlm_corrupts_15_percent_of_tokens_the_bert_way(pipeline):
+  """Per row, round(0.15 n) of its n real non-special tokens (at least one) are predicted, at
+  increasing positions listed in `masked_positions` (BERT's masked_lm_positions); 80% of them
+  read [MASK], 10% a random token, 10% themselves; every other input is the original token."""
   p = pipeline(TINY_MLM, global_batch_size=16)
   batches = _take(p, 8)
   tok = p.tokenizer
-  inputs, targets, weights, segments = (
-      np.stack([b[k] for b in batches]) for k in ('inputs', 'targets', 'weights', 'segment_ids')
+  inputs, positions, targets, weights, segments = (
+      np.concatenate([b[k] for b in batches])
+      for k in ('inputs', 'masked_positions', 'targets', 'weights', 'segment_ids')
   )
-  eligible = (segments > 0) & (targets != tok.bos_id) & (targets != tok.eos_id)
-  chosen = weights > 0
-  assert not (chosen & ~eligible).any()
-  assert abs(chosen.sum() / eligible.sum() - 0.15) < 0.015
-  np.testing.assert_array_equal(inputs[~chosen], targets[~chosen])
-  masked = (inputs == tok.mask_id)[chosen].mean()
-  unchanged = (inputs == targets)[chosen].mean()
-  assert abs(masked - 0.8) < 0.04 and abs(unchanged - 0.1) < 0.03  # random: the other ~10%
+  assert positions.shape == targets.shape == weights.shape == (128, 20)  # ceil(0.15 x 128)
+  masked, unchanged, predicted = 0, 0, 0
+  for row in range(len(inputs)):
+    used = weights[row] > 0
+    where, original = positions[row][used], inputs[row].copy()
+    original[where] = targets[row][used]  # the row before corruption
+    eligible = (segments[row] > 0) & (original != tok.bos_id) & (original != tok.eos_id)
+    assert used.sum() == max(1, round(0.15 * eligible.sum()))
+    assert not used[used.sum() :].any()  # the used slots come first
+    assert (np.diff(where) > 0).all() and eligible[where].all()
+    assert (positions[row][~used] == 0).all() and (targets[row][~used] == 0).all()
+    others = np.ones(len(original), bool)
+    others[where] = False
+    np.testing.assert_array_equal(inputs[row][others], original[others])
+    masked += (inputs[row][where] == tok.mask_id).sum()
+    unchanged += (inputs[row][where] == original[where]).sum()
+    predicted += used.sum()
+  assert abs(masked / predicted - 0.8) < 0.04 and abs(unchanged / predicted - 0.1) < 0.03
   # The corruption is a function of (seed, step): a resumed run masks identically.
   _assert_same_batches(batches, _take(pipeline(TINY_MLM, global_batch_size=16), 8))
 

@@ -107,6 +107,45 @@ def test_mlm_ignores_padding_and_has_bert_hooks():
   assert model.output_bias.get_value().shape == (V,)
 
 
+def test_mlm_output_layer_at_the_masked_positions_only():
+  """`output_positions` (tasks/mlm.py's masked positions) gives the full logits' rows at those
+  positions, and the task's loss on them equals a numpy cross-entropy over the full logits
+  weighted at the masked tokens; the FLOPs count the output layer at those positions only."""
+  from lowrank_attn.tasks import mlm  # pylint: disable=g-import-not-at-top
+
+  model = build('mlm')
+  x = tokens((2, 10))
+  masked = jnp.asarray([[1, 4, 7, 0], [2, 3, 9, 0]], jnp.int32)
+  weights = np.asarray([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)  # row 1 predicts 2 tokens
+  targets = np.asarray(tokens((2, 4), seed=1)) * (weights > 0)
+  full = np.asarray(jit(lambda m, x: m(x)[0])(model, x), np.float64)
+  batch = {
+      'inputs': x,
+      'masked_positions': masked,
+      'targets': jnp.asarray(targets),
+      'weights': jnp.asarray(weights),
+  }
+  gathered = jit(lambda m, b: mlm.TASK.forward(m, b)[0])(model, batch)
+  assert gathered.shape == (2, 4, V)
+  np.testing.assert_allclose(gathered, full[np.arange(2)[:, None], masked], rtol=1e-5, atol=1e-5)
+
+  log_probs = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True))
+  log_probs -= full.max(-1, keepdims=True)
+  dense_weights, dense_targets = np.zeros((2, 10)), np.zeros((2, 10), int)
+  for row, column in zip(*np.nonzero(weights)):
+    dense_weights[row, masked[row, column]] = 1
+    dense_targets[row, masked[row, column]] = targets[row, column]
+  nll = -np.take_along_axis(log_probs, dense_targets[..., None], -1)[..., 0]
+  sums = mlm.TASK.loss(gathered, batch, 0.0)
+  assert float(sums['weight']) == 5
+  np.testing.assert_allclose(float(sums['nll']), (nll * dense_weights).sum(), rtol=1e-5)
+
+  D, M, L, B, P = 32, 64, 10, 2, 4  # 2 layers, dense D x D head, logits D x V per output
+  layers = 2 * (4 * D * D + 2 * L * D + 2 * D * M)
+  shapes = {k: v.shape for k, v in batch.items()}
+  assert mlm.TASK.flops(model, shapes) == 2 * B * (L * layers + P * (D * D + D * V))
+
+
 @pytest.mark.parametrize('kind', ['concat', 'collaborative', 'talking_heads'])
 def test_translation_cache_decoding_matches_teacher_forcing(kind):
   attention = models.AttentionSpec(num_heads=4, kind=kind)

@@ -155,7 +155,7 @@ def test_the_bound_against_a_hand_computation():
 
 
 def test_what_would_lift_it_follows_the_numbers():
-  model = dict(emb_dim=512, vocab=30_522, task='mlm', length=64, head_dim=64)
+  model = dict(emb_dim=512, vocab=30_522, length=64, head_dim=64)
   small = report(64, mfu=0.2, xla_flops=1e12, xla_bytes=1e10)  # 100 FLOP/B
   big = report(1024, mfu=0.25, xla_flops=1e12, xla_bytes=9.5e9)  # 105 FLOP/B
   big.bytes_by_kind = {'matmul': 3.0, 'vocab': 5.0, 'elementwise': 1.5, 'collective': 0.5}
@@ -170,14 +170,13 @@ def test_what_would_lift_it_follows_the_numbers():
   )
   assert 'moved it only 100 -> 105' in note and 'does not help' in note
   assert 'vocab ops move 50% of the bytes' in note and '30,522' in note
-  assert 'masked' in note  # mlm: logits at the predicted positions only
   assert 'elementwise ops move 15% of the bytes' in note and 'collective' not in note
   assert 'wider model' not in note  # D=512: 256 FLOP/B >= 1.5 x 166
   # 'xla' attention on 64-token rows: q.k of [64, 64] x [64, 64] is 2 x 64^3 FLOPs over
   # 2 x 3 x 64^2 bytes = 21 FLOP/B.
   assert "through 'xla' on rows of 64 tokens: a head's q.k product reaches 21 FLOP/B" in note
   assert 'wider model (D >= 512)' in compile_tool.lift_note(
-      big, trials, 0.5, **{**model, 'emb_dim': 256, 'vocab': 256, 'task': 'lm'}
+      big, trials, 0.5, **{**model, 'emb_dim': 256, 'vocab': 256}
   )
   splash = dataclasses.replace(big, kernels=('splash_mha_fwd',))
   assert "'xla'" not in compile_tool.lift_note(splash, trials, 0.5, **model)
@@ -188,7 +187,7 @@ def test_what_would_lift_it_follows_the_numbers():
       0.5,
       **model,
   )
-  assert 'grew 100 -> 143' in note and 'masked' not in note  # no byte split known
+  assert 'grew 100 -> 143' in note and 'vocab' not in note  # no byte split known
   assert compile_tool.lift_note(report(mfu=0.6), [], 0.5, **model) == 'goal met'
   # Compute-bound, XLA's estimate 2x its roofline (1 TFLOP: 2.18 ms; estimate 4.36 ms).
   slow = report(mfu=0.3, xla_flops=1e12, xla_bytes=1e9, xla_seconds=2 * 1e12 / 459e12)
@@ -357,7 +356,7 @@ def test_hbm_bytes_by_kind_by_hand():
 
 
 def test_the_goal_is_v5p_32s_and_other_slices_only_say_their_bound():
-  model = dict(emb_dim=512, vocab=256, task='lm', length=256, head_dim=64)
+  model = dict(emb_dim=512, vocab=256, length=256, head_dim=64)
   fast = report(mfu=0.6, xla_flops=1e12, xla_bytes=1e10)  # memory-bound, over the goal
   on_v5p = compile_tool.main_row('lm', 'v5p:2x2x4', fast, [], 0.5, **model).split(' | ')
   assert on_v5p[9] == '60% (50%)' and on_v5p[14] == 'goal met'

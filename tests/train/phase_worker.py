@@ -7,7 +7,12 @@ PHASE, at step STEP:
   save       right after the save of step STEP has started (its commit may be in flight);
   eval       in the periodic evaluation at step STEP, before its first batch is computed;
   final      in the final evaluation, before its first batch;
-  translate  in the final evaluation's translation (BLEU), before its first search batch.
+  translate  in the final evaluation's translation (BLEU), before its first search batch;
+  bleu       in the periodic evaluation's translation (BLEU, `decode.bleu`) at step STEP,
+             before its first beam-search batch (the loss evaluation before it is done);
+  glue_eval  in the periodic evaluation's GLUE predictions (`GlueEvaluator`) at step STEP,
+             before its first batch is predicted (the loss evaluation before it is done);
+  glue_final in the final evaluation's GLUE predictions, before its first batch.
 The worker prints 'HELD <phase> <step>' and waits until the run's own signal handler has seen
 a signal, then lets the run go on: what the run does next is what it does when a signal lands
 in that phase. No clock is involved.
@@ -29,6 +34,7 @@ def main():
   from absl import app
 
   from lowrank_attn import main as main_lib
+  from lowrank_attn.tasks import glue
   from lowrank_attn.train import checkpoints, decode, state as state_lib, train
 
   def hold():
@@ -98,6 +104,28 @@ def main():
     return compiled_search(self, shape)
 
   decode.Translator._compiled_search = held_search
+  translate = decode.translate  # the periodic BLEU's search (`decode.bleu` looks it up here)
+
+  def held_translate(*args, **kwargs):
+    if phase == 'bleu' and current['phase'] == 'eval' and current['step'] >= step:
+      hold()
+    return translate(*args, **kwargs)
+
+  decode.translate = held_translate
+  glue_init = glue.GlueEvaluator.__init__
+
+  def held_glue_init(self, context):
+    glue_init(self, context)
+    predict = self._predict  # one batch of `_predict_split`, after its stop check
+
+    def held_predict(params, batch):
+      if phase == f'glue_{current["phase"]}' and current['step'] >= step:
+        hold()
+      return predict(params, batch)
+
+    self._predict = held_predict
+
+  glue.GlueEvaluator.__init__ = held_glue_init
 
   def resumed_at(s, *args):  # the step counter starts where the run resumes
     state, start = start_(s, *args)

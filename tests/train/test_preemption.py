@@ -1,11 +1,14 @@
 """Preemption: SIGTERM -> committed checkpoint -> exit 143 within Cloud TPU's grace period.
 
 A signal in every phase (the tests below the first): the phase worker (`phase_worker.py`) holds
-the real command line in a training step, a checkpoint save, the periodic evaluation, the final
-evaluation or its translation until the run's handler has seen the signal, so the phase the
-signal lands in is chosen, never raced. Measured on the shared 2-core CPU (load ~9), from the
-signal to the exit: periodic evaluation 0.4 s, final evaluation 0.4 s, training step (SIGINT)
-0.8 s, checkpoint save 0.9 s (tiny model: the point is where the run stops, not how fast).
+the real command line in a training step, a checkpoint save, the periodic evaluation (its loss,
+NMT's BLEU, GLUE's predictions), the final evaluation (its loss, NMT's translation, GLUE's
+predictions) until the run's handler has seen the signal, so the phase the signal lands in is
+chosen, never raced. Measured on the shared 2-core CPU (load ~9), from the signal to the exit:
+periodic evaluation 0.4 s, final evaluation 0.4 s, training step (SIGINT) 0.8 s, checkpoint
+save 0.9 s; at load 3-5: periodic BLEU 2.0 s, final translation 1.4-2.4 s, periodic GLUE
+evaluation 0.8 s, final GLUE evaluation 0.2-0.3 s (tiny models: the point is where the run
+stops, not how fast).
 
 Spot and preemptible VMs are killed about 30 s after SIGTERM. Steps dispatched ahead of the
 host all run before the state can be saved, so `config.max_steps_in_flight` must bound them:
@@ -242,6 +245,25 @@ def committed(workdir) -> list[int]:
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
+def eval_records(workdir, step: int) -> list[dict]:
+  """The periodic evaluation records of `step` in metrics.jsonl (one per evaluation)."""
+  path = pathlib.Path(workdir) / 'metrics.jsonl'
+  lines = [json.loads(line) for line in path.read_text().splitlines()]
+  return [line for line in lines if line['split'] == 'eval' and line['step'] == step]
+
+
+def nmt_tiny(helpers, tfds_dir, **extra):
+  """`tiny` for configs/nmt.py:tiny: one layer a side, a beam of 2 over 16 tokens."""
+  values = {
+      **tiny(helpers, tfds_dir),
+      'decode.beam_size': 2,
+      'decode.max_length': 16,
+      **extra,
+  }
+  del values['model.num_decoder_layers']
+  return {**values, 'model.num_encoder_layers': 1, 'model.num_decoder_layers': 1}
+
+
 def test_a_signal_in_an_evaluation_stops_it_and_the_next_start_reruns_it(
     helpers, tfds_dir, tmp_path
 ):
@@ -316,16 +338,9 @@ def test_ctrl_c_during_a_step_and_sigterm_during_a_save_save_that_step(helpers, 
 def test_a_signal_during_the_final_translation_stops_it(helpers, tfds_dir, tmp_path):
   """NMT: SIGTERM held before the first beam-search batch of the final evaluation's BLEU: the
   translation stops after that batch (exit 143; nothing recorded, so the next start redoes it)."""
-  values = {
-      **tiny(helpers, tfds_dir),
-      'num_train_steps': 3,
-      'eval_every_steps': 0,
-      'decode.num_examples': 0,
-      'decode.beam_size': 2,
-      'decode.max_length': 16,
-  }
-  del values['model.num_decoder_layers']
-  values.update({'model.num_encoder_layers': 1, 'model.num_decoder_layers': 1})
+  values = nmt_tiny(
+      helpers, tfds_dir, num_train_steps=3, eval_every_steps=0, **{'decode.num_examples': 0}
+  )
   rc, elapsed, out = signal_when_held(
       helpers,
       command(helpers, tmp_path, values, config='configs/nmt.py:tiny', held=('translate', '3')),
@@ -337,3 +352,86 @@ def test_a_signal_during_the_final_translation_stops_it(helpers, tfds_dir, tmp_p
   assert 'final validation at step' not in out, out
   assert not (tmp_path / 'final_eval' / '3' / 'metrics.json').exists()
   print(f'seconds from the signal to the exit: final translation {elapsed:.1f}')
+
+
+def test_a_signal_in_the_periodic_bleu_stops_it_and_the_next_start_reruns_it(
+    helpers, tfds_dir, tmp_path
+):
+  """NMT: SIGTERM held before the first beam-search batch of the periodic BLEU at step 6 (its
+  loss evaluation done): the evaluation stops between batches (exit 143, step 6 committed,
+  nothing of it recorded, the loss included), and the next start evaluates step 6, BLEU
+  included, before going on (held then in the final translation)."""
+  # 8 sentences: two search batches of 4, so that a stop check follows the held one.
+  values = nmt_tiny(helpers, tfds_dir, **{'decode.num_examples': 8})
+  nmt = 'configs/nmt.py:tiny'
+  timings = {}
+
+  rc, timings['periodic BLEU'], out = signal_when_held(
+      helpers,
+      command(helpers, tmp_path, values, config=nmt, held=('bleu', str(EVAL_EVERY))),
+      signal.SIGTERM,
+  )
+  assert rc == 143, out
+  assert saved_step(out) == EVAL_EVERY and 'during the evaluation at step 6' in out, out
+  assert EVAL_EVERY in committed(tmp_path)
+  assert eval_records(tmp_path, EVAL_EVERY) == [], out  # stopped, not finished
+
+  rc, timings['final translation'], out = signal_when_held(
+      helpers,
+      command(helpers, tmp_path, values, config=nmt, held=('translate', str(STEPS))),
+      signal.SIGTERM,
+  )
+  assert rc == 143, out
+  assert 'resumed from step 6' in out and 'evaluating step 6' in out, out
+  [rerun] = eval_records(tmp_path, EVAL_EVERY)  # the interrupted evaluation, once
+  assert rerun['decoded_examples'] == 8 and 'bleu' in rerun and 'loss' in rerun, rerun
+  assert saved_step(out) == STEPS and 'during the final evaluation' in out, out
+  print('seconds from the signal to the exit:', timings)
+
+
+def test_a_signal_in_the_glue_evaluations_stops_them_and_the_next_start_reruns_them(
+    helpers, tfds_dir, tmp_path
+):
+  """GLUE: SIGTERM held in the first prediction batch of the periodic GLUE evaluation at step
+  6, then of the final one (each after its loss evaluation): each stops between batches (exit
+  143, the step committed, nothing of the evaluation recorded, no predictions file), and the
+  next start evaluates that step before going on; a plain start then finishes the run."""
+  values = tiny(helpers, tfds_dir)
+  del values['model.num_decoder_layers']
+  values['model.num_encoder_layers'] = 1
+  glue = 'configs/glue.py:tiny'
+  final = tmp_path / 'final_eval' / str(STEPS)
+  timings = {}
+
+  rc, timings['periodic GLUE evaluation'], out = signal_when_held(
+      helpers,
+      command(helpers, tmp_path, values, config=glue, held=('glue_eval', str(EVAL_EVERY))),
+      signal.SIGTERM,
+  )
+  assert rc == 143, out
+  assert saved_step(out) == EVAL_EVERY and 'during the evaluation at step 6' in out, out
+  assert EVAL_EVERY in committed(tmp_path)
+  assert EVAL_EVERY not in eval_lines(tmp_path), out  # stopped, not finished
+
+  rc, timings['final GLUE evaluation'], out = signal_when_held(
+      helpers,
+      command(helpers, tmp_path, values, config=glue, held=('glue_final', str(STEPS))),
+      signal.SIGTERM,
+  )
+  assert rc == 143, out
+  assert 'resumed from step 6' in out and 'evaluating step 6' in out, out
+  [rerun] = eval_records(tmp_path, EVAL_EVERY)  # the interrupted evaluation, once
+  assert 'score' in rerun and 'loss' in rerun, rerun
+  assert saved_step(out) == STEPS and 'during the final evaluation' in out, out
+  assert not (final / 'metrics.json').exists(), out
+  assert not (final / 'validation_predictions.json').exists(), out
+  assert eval_lines(tmp_path, 'validation') == []
+
+  rc, out = run(helpers, command(helpers, tmp_path, values, config=glue))
+  assert rc == 0, out
+  assert 'resumed from step 12' in out and 'final validation at step 12' in out, out
+  assert 'score' in json.loads((final / 'metrics.json').read_text())['validation']
+  predictions = json.loads((final / 'validation_predictions.json').read_text())
+  assert len(predictions['predictions']) == len(predictions['labels']) > 0
+  assert eval_lines(tmp_path) == [EVAL_EVERY, STEPS]  # step 6 once, step 12 before the final
+  print('seconds from the signal to the exit:', timings)

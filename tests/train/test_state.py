@@ -28,13 +28,12 @@ def batch(task, seed):
     return {'inputs': x, 'targets': y, 'weights': weights}
   segments = (weights > 0).astype(np.int32)
   positions = np.tile(np.arange(LENGTH, dtype=np.int32), (BATCH, 1))
-  return {
-      'inputs': x,
-      'targets': y,
-      'weights': weights,
-      'segment_ids': segments,
-      'positions': positions,
-  }
+  rows = {'inputs': x, 'segment_ids': segments, 'positions': positions}
+  if task == 'mlm':  # 4 predicted positions per row and an unused slot (tasks/mlm.py)
+    masked = np.tile(np.array([1, 4, 6, 11, 0], np.int32), (BATCH, 1))
+    slot_weights = np.array([[1, 1, 1, 1, 0]] * BATCH, np.float32)
+    return {**rows, 'masked_positions': masked, 'targets': y[:, :5], 'weights': slot_weights}
+  return {**rows, 'targets': y, 'weights': weights}
 
 
 def run(helpers, task, mesh, devices, steps=3, with_eval=False, **extra):
