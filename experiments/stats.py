@@ -99,32 +99,47 @@ def glue_difference(
   return bootstrap(difference, [len(labels) for _, labels, _, _ in prepared], **kwargs)
 
 
+def corpus_bleu(references: Sequence[str], hypotheses: Sequence[str], tokenize: str = '13a'):
+  """sacreBLEU's corpus BLEU (one reference per sentence), as the final evaluation scores it."""
+  from sacrebleu.metrics import BLEU  # pylint: disable=g-import-not-at-top
+
+  return BLEU(tokenize=tokenize).corpus_score(list(hypotheses), [list(references)]).score
+
+
 def bleu_difference(
     references: Sequence[str],
-    system_a: Sequence[str],
-    system_b: Sequence[str],
+    system_a: Sequence[str] | Sequence[Sequence[str]],
+    system_b: Sequence[str] | Sequence[Sequence[str]],
     *,
     tokenize: str = '13a',
     **kwargs,
 ) -> Interval:
   """B - A in corpus BLEU (sacreBLEU, one reference per sentence): each resample sums the
-  sentences' n-gram statistics, as sacreBLEU's own paired bootstrap does."""
+  sentences' n-gram statistics, as sacreBLEU's own paired bootstrap does. A system is one
+  list of hypotheses or a list of them (seeds): its BLEU is then the mean of its seeds' corpus
+  BLEU on the same resample."""
   from sacrebleu.metrics import BLEU  # pylint: disable=g-import-not-at-top
 
-  if not len(references) == len(system_a) == len(system_b):
+  seeds_a, seeds_b = ([s] if isinstance(s[0], str) else list(s) for s in (system_a, system_b))
+  lengths = {len(h) for h in seeds_a + seeds_b}
+  if lengths != {len(references)}:
     raise ValueError(
-        f'{len(references)} references, {len(system_a)} and {len(system_b)} '
-        'hypotheses: every system must translate every sentence'
+        f'{len(references)} references, hypotheses of lengths {sorted(lengths)}: every '
+        'system must translate every sentence'
     )
   bleu = BLEU(tokenize=tokenize)
   stats_a, stats_b = (
-      np.asarray(bleu._extract_corpus_statistics(list(hyps), [list(references)]))  # pylint: disable=protected-access
-      for hyps in (system_a, system_b)
+      [
+          np.asarray(bleu._extract_corpus_statistics(list(hyps), [list(references)]))  # pylint: disable=protected-access
+          for hyps in seeds
+      ]
+      for seeds in (seeds_a, seeds_b)
   )
   corpus = lambda stats: bleu._compute_score_from_stats(list(stats.sum(0))).score  # pylint: disable=protected-access
+  mean = lambda systems, i: np.mean([corpus(stats[i]) for stats in systems])
 
   def difference(indices):
     (i,) = indices
-    return corpus(stats_b[i]) - corpus(stats_a[i])
+    return mean(stats_b, i) - mean(stats_a, i)
 
   return bootstrap(difference, [len(references)], **kwargs)

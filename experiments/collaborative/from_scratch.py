@@ -16,29 +16,50 @@ D~k in {256, 128, 64, 32} (D, D/2, D/4, D/8), values and outputs unchanged, 2 se
   collaborative  shared query/key projections of width D~k, trained mixing initialised as
                  in the paper's code (`mixing_init=random`), logit scale 1/sqrt(D~k / 8).
 
+Controls for collaborative's lead at D~k = D (`--kinds`, run at full width only):
+
+  collaborative_concat_init  collaborative at D~k = D with trained mixing initialised block
+                 one-hot (`mixing_init=concatenate`): exactly the concat layer at step 0;
+  collaborative_ones_init    the same from all-ones mixing (`mixing_init=all_ones`);
+  fixed_head_64  concat heads of size 64 (`kind=fixed_head`, head_dim 64: query/key/value width
+                 8 x 64 = 512): each head's logits a rank-64 form instead of rank 32, the rank
+                 control (Bhojanapalli et al.'s remedy).
+
 The step budget is smaller than the baseline's 1,800 (`--steps`, default 600, cosine schedule
-with a sixth of it as warmup): every run is shorter, and all of them use the same budget. All
-runs share one SentencePiece vocabulary and prepared data set (`<runs_dir>/shared/`).
-Results: BLEU (beam 4, sacreBLEU) on test_2016_flickr and validation from each run's final
-evaluation, parameters of the attention and of the model; a table and a plot (BLEU vs key
-width, one line per kind, min-max over seeds) in the README. Resumable: rerun the command.
+with a sixth of it as warmup): every run is shorter, and all of them use the same budget; runs
+of another budget are named `...-n<steps>` and tabled apart. All runs share one SentencePiece
+vocabulary and prepared data set (`<runs_dir>/shared/`). Results: BLEU (beam 4, sacreBLEU) on
+test_2016_flickr and validation from each run's final evaluation, parameters of the attention
+and of the model; a table, a plot (BLEU vs key width, one line per kind and budget, min-max over
+seeds) and paired bootstrap intervals of the differences to concat at the same width and budget
+(seeds averaged on each resample; the translations are kept in `from_scratch/translations/`)
+in the README. Resumable: rerun the command.
 """
 
 import dataclasses
+import gzip
 import importlib.util
+import os
 import pathlib
+import shutil
 
 from flax import nnx
 import jax
 
 from experiments import runner
+from experiments import stats
 from lowrank_attn import models
 from lowrank_attn.runs import with_overrides
 from lowrank_attn.train import config as config_lib
 
 HERE = pathlib.Path(__file__).resolve().parent
 OUT = HERE / 'from_scratch'
-KINDS = ('concat', 'collaborative')
+KINDS = ('concat', 'collaborative')  # swept over --key_widths
+# Run at D~k = D only: what explains collaborative's lead at full width (issue 24).
+CONTROLS = ('collaborative_concat_init', 'collaborative_ones_init', 'fixed_head_64')
+DEFAULT_STEPS = 600
+# The final evaluation's splits and their reference files (under LOWRANK_ATTN_DATA).
+REFERENCES = {'test': 'multi30k/test_2016_flickr.de.gz', 'validation': 'multi30k/val.de.gz'}
 
 
 def arguments():
@@ -46,6 +67,11 @@ def arguments():
   parser.add_argument('--steps', type=int, default=600, help='training steps of every run')
   parser.add_argument('--key_widths', default='256,128,64,32', help='total query/key widths')
   parser.add_argument('--seeds', default='0,1')
+  parser.add_argument(
+      '--kinds',
+      default=','.join(KINDS),
+      help=f'of {",".join(KINDS + CONTROLS)}; the controls run at D~k = D only',
+  )
   parser.add_argument(
       '--smoke',
       action='store_true',
@@ -56,6 +82,10 @@ def arguments():
   args.config = 'configs/nmt.py:multi30k'
   args.key_widths = [int(k) for k in args.key_widths.split(',')]
   args.seeds = [int(s) for s in args.seeds.split(',')]
+  args.kinds = args.kinds.split(',')
+  unknown = sorted(set(args.kinds) - set(KINDS + CONTROLS))
+  if unknown:
+    parser.error(f'--kinds: {unknown} unknown; valid: {",".join(KINDS + CONTROLS)}')
   args.out = OUT
   if args.smoke:
     args.config, args.steps, args.key_widths, args.seeds = 'configs/nmt.py:tiny', 6, [128, 32], [0]
@@ -83,6 +113,15 @@ def training_fields(kind: str, key_width: int, emb_dim: int, steps: int) -> dict
   }  # BLEU once, in the final evaluation (validation, test)
   if kind == 'concat' and key_width == emb_dim:
     return fields  # the baseline layer
+  if kind == 'fixed_head_64':
+    return fields | {'model.attention.kind': 'fixed_head', 'model.attention.head_dim': 64}
+  if kind in ('collaborative_concat_init', 'collaborative_ones_init'):
+    init = 'concatenate' if kind == 'collaborative_concat_init' else 'all_ones'
+    return fields | {
+        'model.attention.kind': 'collaborative',
+        'model.attention.key_dim': emb_dim,
+        'model.attention.mixing_init': init,
+    }
   fields |= {'model.attention.kind': 'collaborative', 'model.attention.key_dim': key_width}
   if kind == 'concat':  # concat heads of query/key width key_width / heads: frozen one-hot mixing
     return fields | {'model.attention.mixing_init': 'concatenate', 'trainable': '^(?!.*mixing)'}
@@ -113,27 +152,29 @@ def main():
       'data.tokenizer_path': str(shared / f'spm{base.data.vocab_size}.model'),
       'data.tfds_data_dir': str(shared / 'tfds'),
   }
-  runs, sizes = [], {}
-  for kind in KINDS:
-    for key_width in args.key_widths:
+  runs = []
+  budget = '' if args.steps == DEFAULT_STEPS else f'-n{args.steps}'
+  for kind in args.kinds:
+    for key_width in args.key_widths if kind in KINDS else [key_width_of(kind, base)]:
       fields = training_fields(kind, key_width, emb_dim, args.steps) | data
-      config = with_overrides(base, fields)
-      config_lib.validate(config)  # before any run starts
-      sizes[kind, key_width] = parameters(config)
+      config_lib.validate(with_overrides(base, fields))  # before any run starts
       for seed in args.seeds:
         run = runner.train_run(
-            f'{kind}-k{key_width}-s{seed}', args.config, seed=seed, overrides=fields
+            f'{kind}-k{key_width}-s{seed}{budget}', args.config, seed=seed, overrides=fields
         )
         runs.append(
-            dataclasses.replace(run, config={'kind': kind, 'key_width': key_width, **run.config})
+            dataclasses.replace(
+                run,
+                config={'kind': kind, 'key_width': key_width, 'steps': args.steps, **run.config},
+            )
         )
   # Seed by seed, and both kinds at a key width side by side: a grid stopped part way has
   # comparable pairs rather than one kind's whole sweep.
   runs.sort(
       key=lambda r: (
           args.seeds.index(r.seed),
-          args.key_widths.index(r.config['key_width']),
-          KINDS.index(r.config['kind']),
+          args.key_widths.index(r.config['key_width']) if r.config['kind'] in KINDS else 0,
+          args.kinds.index(r.config['kind']),
       )
   )
   if args.plot_only:
@@ -142,29 +183,107 @@ def main():
     results = runner.run_grid(
         runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
     )
-  report(results, sizes, args)
+  keep_translations(results, args.out / 'translations')
+  report(results, base, args)
 
 
-def report(results, sizes, args) -> None:
+def key_width_of(kind: str, base) -> int:
+  """Total query/key width of a control (`CONTROLS`) on the model of config `base`."""
+  model = base.model
+  return model.attention.num_heads * 64 if kind == 'fixed_head_64' else model.emb_dim
+
+
+def steps_of(row) -> int:
+  """A run's step budget (runs of before `steps` was recorded: their config's)."""
+  return row.get('steps') or DEFAULT_STEPS
+
+
+def keep_translations(results, target: pathlib.Path) -> None:
+  """Copies each finished run's final translations (`final_eval/<last step>/<split>.txt`) to
+  `target/<run>/`: the bootstrap reads them, and run directories may not survive."""
+  for entry in results['runs']:
+    found = sorted(
+        pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob('*/test.txt'),
+        key=lambda p: int(p.parent.name),
+    )
+    if not found or (target / entry['name']).is_dir():
+      continue
+    (target / entry['name']).mkdir(parents=True, exist_ok=True)
+    for split in REFERENCES:
+      shutil.copyfile(found[-1].parent / f'{split}.txt', target / entry['name'] / f'{split}.txt')
+
+
+def read_lines(path) -> list[str]:
+  opener = gzip.open if str(path).endswith('.gz') else open
+  with opener(path, 'rt', encoding='utf-8') as f:
+    return [line.rstrip('\n') for line in f]
+
+
+def intervals(rows, emb_dim: int, translations: pathlib.Path) -> list[dict]:
+  """Paired bootstrap of BLEU(kind) - BLEU(concat) per split, at each key width and budget
+  where both have kept translations of the same seeds (seeds averaged on each resample); the
+  controls against concat at D~k = D. Each corpus BLEU recomputed from the kept translations
+  must equal the recorded one (else the references are not in the translations' order)."""
+  data = pathlib.Path(os.environ.get('LOWRANK_ATTN_DATA', runner.REPO_ROOT.parent / 'shared/data'))
+  references = {split: read_lines(data / path) for split, path in REFERENCES.items()}
+  groups = {}
+  for r in rows:
+    if (translations / r['name']).is_dir():
+      groups.setdefault((r['kind'], r['key_width'], steps_of(r)), []).append(r)
+  out = []
+  for (kind, width, steps), ours in sorted(groups.items(), key=lambda kv: _order(*kv[0])):
+    theirs = groups.get(('concat', width if kind in KINDS else emb_dim, steps), [])
+    seeds = sorted({r['seed'] for r in ours} & {r['seed'] for r in theirs})
+    if kind == 'concat' or not seeds:
+      continue
+    entry = {'kind': kind, 'key_width': width, 'steps': steps, 'seeds': len(seeds)}
+    for split, refs in references.items():
+      systems = []
+      for group in (theirs, ours):
+        runs = sorted((r for r in group if r['seed'] in seeds), key=lambda r: r['seed'])
+        hypotheses = [read_lines(translations / r['name'] / f'{split}.txt') for r in runs]
+        for r, hyp in zip(runs, hypotheses):
+          recomputed = stats.corpus_bleu(refs, hyp)
+          if abs(recomputed - r[f'bleu_{split}']) > 0.01:
+            raise ValueError(
+                f'{r["name"]}: {split} BLEU {recomputed:.2f} from the kept translations, '
+                f'{r[f"bleu_{split}"]:.2f} recorded: references and translations disagree'
+            )
+        systems.append(hypotheses)
+      entry[split] = stats.bleu_difference(refs, *systems).as_dict()
+    out.append(entry)
+  return out
+
+
+def _order(kind: str, width: int, steps: int):
+  return (steps, (KINDS + CONTROLS).index(kind), -width)
+
+
+def report(results, base, args) -> None:
+  emb_dim = base.model.emb_dim
+  sizes = {}  # (kind, key width) -> parameters
+
+  def size(kind, width):
+    if (kind, width) not in sizes:
+      fields = training_fields(kind, width, emb_dim, DEFAULT_STEPS)
+      sizes[kind, width] = parameters(with_overrides(base, fields))
+    return sizes[kind, width]
+
   rows = []
   for test, validation in zip(runner.final(results, 'test'), runner.final(results, 'validation')):
-    rows.append(
-        {
-            **test,
-            'bleu_test': runner.bleu_of(test),
-            'bleu_validation': runner.bleu_of(validation),
-            **sizes[test['kind'], test['key_width']],
-        }
-    )
-  rows = [r for r in rows if r['bleu_test'] is not None]
+    row = {**test, 'bleu_test': runner.bleu_of(test), 'bleu_validation': runner.bleu_of(validation)}
+    if row['bleu_test'] is not None:
+      row['steps'] = steps_of(row)
+      rows.append({**row, **size(row['kind'], row['key_width'])})
   if not rows:
     print('no finished run has a final test evaluation yet')
     return
+  label = lambda r: r['kind'] + ('' if r['steps'] == DEFAULT_STEPS else f' ({r["steps"]} steps)')
   runner.plot_lines(
-      rows,
+      [{**r, 'line': label(r)} for r in rows if r['kind'] in KINDS],
       x='key_width',
       y='bleu_test',
-      group='kind',
+      group='line',
       logx=True,
       out=args.out / 'bleu.png',
       xlabel='total query/key width D~k',
@@ -173,10 +292,10 @@ def report(results, sizes, args) -> None:
   )
   summary = runner.aggregate(
       rows,
-      by=['kind', 'key_width'],
+      by=['steps', 'kind', 'key_width'],
       values=['bleu_test', 'bleu_validation', 'attention_params', 'params'],
   )
-  summary.sort(key=lambda r: (KINDS.index(r['kind']), -r['key_width']))
+  summary.sort(key=lambda r: _order(r['kind'], r['key_width'], r['steps']))
   spread = lambda key: lambda r: (
       f"{r[key]:.2f} ({r[key + '_min']:.2f}-{r[key + '_max']:.2f})"
       if r['n'] > 1
@@ -185,6 +304,7 @@ def report(results, sizes, args) -> None:
   table = runner.markdown_table(
       summary,
       [
+          ('steps', lambda r: f"{r['steps']:,}"),
           ('kind', 'kind'),
           ('D~k', 'key_width'),
           ('seeds', 'n'),
@@ -194,16 +314,36 @@ def report(results, sizes, args) -> None:
           ('params', lambda r: f"{r['params']:,.0f}"),
       ],
   )
-  (args.out / 'results.md').write_text(table)
+  differences = intervals(rows, emb_dim, args.out / 'translations')
+  interval_table = runner.markdown_table(
+      differences,
+      [
+          ('steps', lambda r: f"{r['steps']:,}"),
+          ('kind', 'kind'),
+          ('D~k', 'key_width'),
+          ('seeds', 'seeds'),
+          ('test BLEU - concat [95%]', lambda r: str(stats.Interval(**r['test']))),
+          ('validation BLEU - concat [95%]', lambda r: str(stats.Interval(**r['validation']))),
+      ],
+  )
+  runner.files.write_json(args.out / 'intervals.json', differences)
+  (args.out / 'results.md').write_text(table + '\n' + interval_table)
   if not args.smoke:
     runner.write_section(
         HERE / 'README.md',
         'from_scratch',
         '\n'.join(
             [
-                f'{args.steps} steps per run. ' + runner.runs_summary(results),
+                runner.runs_summary(results),
                 '',
                 table,
+                '',
+                'Differences to concat at the same key width and budget (the controls: to concat '
+                'at D~k = D), paired bootstrap over sentences, seeds averaged '
+                '(`from_scratch/intervals.json`); runs whose translations were not kept '
+                '(run directories lost before this table existed) are not in it:',
+                '',
+                interval_table if differences else '(none yet)\n',
                 '',
                 '![BLEU vs key width](from_scratch/bleu.png)',
             ]

@@ -79,3 +79,16 @@ def test_bleu_difference_is_sacrebleus_corpus_difference_with_a_paired_interval(
   assert (same.low, same.high) == (0.0, 0.0)
   with pytest.raises(ValueError, match='every system must translate every sentence'):
     stats.bleu_difference(references, system_a[:-1], system_b)
+  # Seeds: each system's BLEU is the mean of its seeds' corpus BLEU.
+  seed_b = [noisy(r, 0.1) for r in references]
+  seeds = stats.bleu_difference(references, [system_a], [system_b, seed_b], samples=20)
+  mean_b = (
+      sacrebleu.corpus_bleu(system_b, [references]).score
+      + sacrebleu.corpus_bleu(seed_b, [references]).score
+  ) / 2
+  assert seeds.estimate == pytest.approx(
+      mean_b - sacrebleu.corpus_bleu(system_a, [references]).score, abs=1e-9
+  )
+  assert stats.corpus_bleu(references, seed_b) == pytest.approx(
+      sacrebleu.corpus_bleu(seed_b, [references]).score
+  )
