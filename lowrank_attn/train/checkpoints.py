@@ -348,21 +348,33 @@ def save_config(workdir: str, config_dict: Mapping[str, Any]) -> str:
 
 class PreemptionWatcher:
   """Turns SIGTERM (TPU / Kubernetes preemption notice) and SIGINT (Ctrl-C) into "stop at the
-  next safe point": between training steps (the loop saves the state first), between
-  evaluation batches (`requested`, polled by the evaluators). A second signal exits at once,
-  without waiting for anything (exit 128 + its number).
+  next safe point": between training steps (`reached`: the loop saves the state first), between
+  evaluation batches (`requested`, polled by the evaluators through `EvalContext.check_stop`).
+  A second signal exits at once, without waiting for anything (exit 128 + its number).
 
-  Multi-host: every host must agree on the step, so JAX's distributed preemption sync point is
-  used (it listens for SIGTERM itself) and evaluations are not interrupted (hosts could stop at
-  different batches); single host: a local flag set by the signal handler.
+  Single host: a local flag set by the signal handler.
+
+  Multi-host: every host must stop at the same safe point (each step and each evaluation batch
+  is a collective), so JAX's distributed preemption sync point is used: JAX catches SIGTERM
+  itself (on any host) and the hosts agree, through the coordination service, on a sync point
+  one past the furthest call any of them has made. Its calls are numbered by a counter of safe
+  points kept here, advanced at every `reached` and every `requested` call: every host makes
+  the same calls in the same order (the steps, then each evaluation's batches), so the counter
+  names the same safe point on every host, and an evaluation stops at the same batch on every
+  host. Once the sync point is reached, every later call answers True without asking again
+  (JAX's answers True only at the sync point itself). Only SIGTERM is caught there (no handler
+  is installed for SIGINT).
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
-    self.signum: int | None = None  # the first signal received
+    self.signum: int | None = None  # the first signal received (single host)
     self._previous = {}
-    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+    self._multihost = jax.process_count() > 1
+    self._safe_points = 0  # multi-host: the calls of `reached` and `requested` so far
+    self._synced = False  # multi-host: the preemption sync point was reached
+    if not self._multihost and threading.current_thread() is threading.main_thread():
       for signum in self.SIGNALS:
         self._previous[signum] = signal.signal(signum, self._handle)
 
@@ -381,16 +393,36 @@ class PreemptionWatcher:
 
   @property
   def exit_status(self) -> int:
-    """128 + the signal: 143 for SIGTERM, 130 for SIGINT (Ctrl-C)."""
+    """128 + the signal: 143 for SIGTERM, 130 for SIGINT (Ctrl-C). Multi-host: 143 (only
+    SIGTERM is caught; JAX's service does not say which signal, so `signum` stays None)."""
     return 128 + (self.signum or signal.SIGTERM)
 
+  def _sync_point(self) -> bool:
+    """Multi-host: one more safe point; whether the hosts' preemption sync point is reached."""
+    if not self._synced:
+      self._safe_points += 1
+      self._synced = multihost_utils.reached_preemption_sync_point(self._safe_points)
+      if self._synced:
+        logging.warning(
+            'preemption notice (SIGTERM on a host): all hosts stop at this safe point (%d).',
+            self._safe_points,
+        )
+    return self._synced
+
   def requested(self) -> bool:
-    """A signal arrived (single host; multi-host: False, see the class docstring)."""
-    return jax.process_count() == 1 and self.signum is not None
+    """Whether to stop the evaluation now, before its next batch (a safe point; multi-host:
+    every host must call it at the same points)."""
+    if self._multihost:
+      return self._sync_point()
+    return self.signum is not None
 
   def reached(self, step: int) -> bool:
-    if jax.process_count() > 1:
-      return multihost_utils.reached_preemption_sync_point(step)
+    """Whether to stop before training step `step` (a safe point; multi-host: every host must
+    call it at every step). Multi-host, `step` is not what is synced: the safe points are
+    counted here (the evaluations' batches between steps are safe points too)."""
+    del step
+    if self._multihost:
+      return self._sync_point()
     return self.signum is not None
 
   def close(self) -> None:
