@@ -1,0 +1,810 @@
+"""The head-size bottleneck trained to convergence, then fixed_head at a smaller width.
+
+    LOWRANK_ATTN_DATA=../shared/data nice -n 19 python -m experiments.bottleneck.convergence \\
+        --runs_dir=/work/runs/bottleneck_convergence
+
+The sweep (`sweep.py`, 250 steps) left its models just past the bigram plateau with one
+learning rate for 1.2M-9.5M-parameter models. This script trains the same character LM
+(`configs/lm.py:bottleneck`: n = 128, 2 layers, 16 x 128 characters per step, AdamW, cosine
+decay to 0.1x, no dropout) for `--steps` steps (default 3,000: 6.1M characters, 1.3 passes
+over the 4.6M characters of the training split; budget and measured step times: README), in
+three stages (`--stage`; `all`, the default, runs them in order):
+
+  lr     six arms at D = 256: concat (d = D/h) at h in {1, 2, 8, 32} and fixed_head with
+         d_p = n = 128 at h in {8, 32}, each at learning rates {1e-3, 3e-3, 1e-2}, seed 0.
+  seeds  per arm, its best rate (lowest final bits/char in stage lr; a run that diverged counts
+         as worst) at seeds 0 and 1; seed 0 is stage lr's run (same name: not trained again).
+         An arm whose rate sweep is not finished is left out, with a note.
+  width  the paper's claim: fixed_head at D = 128, h = 8, d_p = 128 (MLP 4D = 512, 2 layers)
+         against concat at D = 256, h = 8 (d = 32). The D = 128 model gets its own 3-rate sweep
+         (seed 0; concat h = 8's sweep is stage lr's, rerun here only if missing), then both at
+         their best rates with seeds 0 and 1: (a) equal steps; (b) equal compute: the model with
+         fewer training FLOPs per step (analytic: 3 x `model.flops`, as the sweep counts them)
+         trains round(steps x FLOPs per step of the other / its own) steps, the other `steps`.
+
+Every run: warmup 12% of its steps (the bottleneck config's 30 of 250, scaled), cosine decay
+over its own length; an evaluation every steps/12 steps on the first 24 validation batches
+(49k characters, the same ones each time: the learning curve), and at the end bits per
+character on the whole validation split (Julius Caesar, Twelfth Night; nats / ln 2 of the
+token-level loss, as the sweep reports it), computed from the final checkpoint when the run's
+results are collected (`evaluate_run`, cached in the run directory). A run has flattened when
+its last periodic evaluation is within 0.01 bits/char of the one steps/12 earlier (the change is
+reported with its sign). Run names hold everything that varies (arm, D, rate, steps, seed), so
+runs of other `--steps` never collide.
+
+Results: `convergence/results.json` (the runner's), the plots in `convergence/`, and the
+README section `convergence`. `--smoke`: every stage end to end on 12 steps, two arms and two
+rates, 2-batch evaluations, under <runs_dir>/smoke (its report in smoke/report.md); writes
+nothing here. `--plot_only`: report from `convergence/results.json`.
+"""
+
+import argparse
+from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import time
+
+from experiments import runner
+from experiments.bottleneck import sweep
+
+HERE = pathlib.Path(__file__).parent
+OUT = HERE / 'convergence'
+SECTION = 'convergence'
+CONFIG = sweep.CONFIG
+LENGTH, EMB_DIM = sweep.LENGTH, sweep.EMB_DIM
+NUM_HEADS, KIND, HEAD_DIM = sweep.NUM_HEADS, sweep.KIND, sweep.HEAD_DIM
+STEPS = 3000
+RATES = (1e-3, 3e-3, 1e-2)
+SEEDS = (0, 1)
+EVALS = 12  # periodic evaluations per run
+EVAL_BATCHES = 24  # validation batches per periodic evaluation (of ~112 in the split)
+FLAT_TOL = 0.01  # bits/char between the last two periodic evaluations
+WARMUP_SHARE = 30 / 250  # configs/lm.py:bottleneck's warmup, as a share of its 250 steps
+KEEP_CHECKPOINTS = 2
+# The character vocabulary of the works' training split (every run of the sweep has it; the
+# collector checks each run's): sizes the output layer in the FLOPs that set equal compute.
+VOCAB_SIZE = 89
+WHOLE_FILE = 'whole_validation.json'  # <rundir>/: the final evaluation of `evaluate_run`
+SIZE_KEYS = ('params', 'attention_params', 'train_flops_per_token', 'train_flops', 'vocab_size')
+MODULE = 'experiments.bottleneck.convergence'
+SMOKE_STEPS = 12
+SMOKE_RATES = (3e-3, 1e-2)
+SMOKE_EVAL_BATCHES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  """A model: concat (head_dim None: d = D / h) or fixed_head with d_p = head_dim, at width D."""
+
+  heads: int
+  head_dim: int | None = None
+  emb_dim: int = EMB_DIM
+
+  @property
+  def kind(self) -> str:
+    return 'concat' if self.head_dim is None else 'fixed_head'
+
+  @property
+  def d(self) -> int:
+    return self.emb_dim // self.heads if self.head_dim is None else self.head_dim
+
+  @property
+  def key(self) -> str:
+    """'concat-h8-D256', 'fixed128-h8-D128': the run names' prefix."""
+    kind = 'concat' if self.head_dim is None else f'fixed{self.head_dim}'
+    return f'{kind}-h{self.heads}-D{self.emb_dim}'
+
+  @property
+  def label(self) -> str:
+    size = f'd = {self.d}' if self.head_dim is None else f'd_p = {self.d}'
+    return f'{self.kind}, h = {self.heads}, {size}, D = {self.emb_dim}'
+
+  def overrides(self) -> dict:
+    out = {NUM_HEADS: self.heads}
+    if self.head_dim is not None:
+      out.update({KIND: 'fixed_head', HEAD_DIM: self.head_dim})
+    if self.emb_dim != EMB_DIM:
+      out.update({'model.emb_dim': self.emb_dim, sweep.MLP: 4 * self.emb_dim})
+    return out
+
+
+LR_ARMS = (
+    Arm(1),
+    Arm(2),
+    Arm(8),
+    Arm(32),
+    Arm(8, head_dim=LENGTH),
+    Arm(32, head_dim=LENGTH),
+)
+WIDTH_ARM = Arm(8, head_dim=LENGTH, emb_dim=128)  # the paper's claim: smaller D, d_p = n
+WIDTH_BASELINE = Arm(8)  # concat at D = 256, d = 32
+SMOKE_ARMS = (WIDTH_BASELINE, Arm(8, head_dim=LENGTH))
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+  """One training run: an arm at a learning rate, seed and length."""
+
+  arm: Arm
+  lr: float
+  seed: int
+  steps: int
+
+  @property
+  def name(self) -> str:
+    return f'{self.arm.key}-lr{self.lr:g}-{self.steps}st-s{self.seed}'
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What a stage runs: the budget and grid, and where the runs and their results go."""
+
+  steps: int = STEPS
+  rates: tuple[float, ...] = RATES
+  arms: tuple[Arm, ...] = LR_ARMS
+  seeds: tuple[int, ...] = SEEDS
+  eval_batches: int = EVAL_BATCHES
+  final_batches: int = -1  # the final evaluation: -1, the whole validation split
+  out_dir: pathlib.Path = OUT
+  runs_dir: pathlib.Path = pathlib.Path('runs')
+
+  @classmethod
+  def smoke(cls, runs_dir: pathlib.Path) -> 'Plan':
+    smoke_dir = runs_dir / 'smoke'
+    return cls(
+        steps=SMOKE_STEPS,
+        rates=SMOKE_RATES,
+        arms=SMOKE_ARMS,
+        eval_batches=SMOKE_EVAL_BATCHES,
+        final_batches=SMOKE_EVAL_BATCHES + 1,
+        out_dir=smoke_dir,
+        runs_dir=smoke_dir,
+    )
+
+
+# ------------------------------------------------------------------------------- the runs
+
+
+def schedule(steps: int, eval_batches: int = EVAL_BATCHES) -> dict:
+  """The config fields that follow a run's length: warmup, evaluations, checkpoints, logs."""
+  every = max(1, steps // EVALS)
+  return {
+      'num_train_steps': steps,
+      'warmup_steps': max(1, round(steps * WARMUP_SHARE)),
+      'eval_every_steps': every,
+      'num_eval_steps': eval_batches,
+      'checkpoint_every_steps': every,
+      'keep_checkpoints': KEEP_CHECKPOINTS,
+      'log_every_steps': max(1, steps // 100),
+  }
+
+
+def make_run(point: Point, plan: Plan) -> runner.Run:
+  overrides = {
+      **point.arm.overrides(),
+      'learning_rate': point.lr,
+      **schedule(point.steps, plan.eval_batches),
+      'data.tfds_data_dir': str(plan.runs_dir / 'tfds'),  # the data set, prepared once
+  }
+  return runner.train_run(
+      point.name,
+      CONFIG,
+      seed=point.seed,
+      overrides=overrides,
+      collect=functools.partial(collect, final_batches=plan.final_batches),
+  )
+
+
+def lr_points(plan: Plan, arms: Sequence[Arm] | None = None) -> list[Point]:
+  """Stage lr: every arm at every rate, seed 0."""
+  return [Point(arm, lr, 0, plan.steps) for arm in arms or plan.arms for lr in plan.rates]
+
+
+def best_rates(
+    finals: Mapping[str, float], arms: Iterable[Arm], plan: Plan
+) -> tuple[dict[Arm, float], list[str]]:
+  """Per arm whose rate sweep is complete in `finals` (run name -> final bits/char; a run that
+  diverged: inf), its rate of lowest final bits/char (the lower rate on a tie). Returns those
+  rates and a note per arm left out (a rate without a result, or every rate diverged)."""
+  best, notes = {}, []
+  for arm in arms:
+    points = lr_points(plan, [arm])
+    missing = [p.name for p in points if p.name not in finals]
+    if missing:
+      notes.append(f'{arm.label}: no rate picked, no result yet for {", ".join(missing)}')
+      continue
+    point = min(points, key=lambda p: (finals[p.name], p.lr))
+    if not math.isfinite(finals[point.name]):
+      notes.append(f'{arm.label}: no rate picked, every rate diverged')
+      continue
+    best[arm] = point.lr
+  return best, notes
+
+
+def seed_points(best: Mapping[Arm, float], plan: Plan) -> list[Point]:
+  """Stage seeds: each arm at its best rate, every seed (seed 0 is stage lr's run)."""
+  return [Point(arm, lr, seed, plan.steps) for arm, lr in best.items() for seed in plan.seeds]
+
+
+@functools.cache
+def arm_config(arm: Arm):
+  """configs/lm.py:bottleneck with the arm's overrides (validated)."""
+  from lowrank_attn import runs  # pylint: disable=import-outside-toplevel
+
+  path = runner.REPO_ROOT / CONFIG.split(':')[0]
+  spec = importlib.util.spec_from_file_location('lm_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return runs.with_overrides(module.get_config(CONFIG.split(':')[1]), arm.overrides())
+
+
+@functools.cache
+def train_flops_per_token(arm: Arm) -> float:
+  """Training FLOPs per token (3 x the model's analytic forward FLOPs, as the sweep counts)."""
+  return sweep.model_size(arm_config(arm), VOCAB_SIZE)['train_flops_per_token']
+
+
+def equal_compute_steps(steps: int, flops_other: float, flops_own: float) -> int:
+  """The steps at which a model of `flops_own` per step spends what `steps` steps of a model of
+  `flops_other` per step spend."""
+  return round(steps * flops_other / flops_own)
+
+
+def width_flops(in_subprocess: bool = False) -> dict[Arm, float]:
+  """`train_flops_per_token` of the width stage's two models; computed by a process of its own
+  if `in_subprocess` (the grid's process then starts no JAX threads before it forks)."""
+  arms = (WIDTH_ARM, WIDTH_BASELINE)
+  if not in_subprocess:
+    return {arm: train_flops_per_token(arm) for arm in arms}
+  command = [sys.executable, '-m', MODULE, '--print_width_flops']
+  done = subprocess.run(command, cwd=runner.REPO_ROOT, capture_output=True, text=True, check=True)
+  values = json.loads(done.stdout.strip().splitlines()[-1])
+  return {arm: values[arm.key] for arm in arms}
+
+
+def width_points(
+    best: Mapping[Arm, float], plan: Plan, flops: Mapping[Arm, float]
+) -> dict[str, list[Point]]:
+  """Stage width at the arms' best rates: {'equal steps': ..., 'equal compute': ...}; in the
+  second, the model with fewer training FLOPs per token (`flops`) trains longer by the ratio."""
+  arms = (WIDTH_ARM, WIDTH_BASELINE)
+  cheap, dear = sorted(arms, key=flops.get)
+  longer = equal_compute_steps(plan.steps, flops[dear], flops[cheap])
+  at = lambda arm, steps: [Point(arm, best[arm], seed, steps) for seed in plan.seeds]
+  return {
+      'equal steps': at(WIDTH_ARM, plan.steps) + at(WIDTH_BASELINE, plan.steps),
+      'equal compute': at(dear, plan.steps) + at(cheap, longer),
+  }
+
+
+def unique(points: Iterable[Point]) -> list[Point]:
+  seen, out = set(), []
+  for point in points:
+    if point.name not in seen:
+      seen.add(point.name)
+      out.append(point)
+  return out
+
+
+# ------------------------------------------------------------------- results of one run
+
+
+def flatness(curve: Sequence[Sequence[float]], window: int, tol: float = FLAT_TOL) -> dict:
+  """Whether a learning curve [(step, bits/char), ...] (ascending steps) has flattened: its
+  last point against the latest one at least `window` steps earlier. `flat` is None when the
+  curve has no such earlier point."""
+  if not curve:
+    return {'flat': None, 'last_change': None, 'last_change_from': None}
+  last_step, last = curve[-1]
+  earlier = [(step, value) for step, value in curve if step <= last_step - window]
+  if not earlier:
+    return {'flat': None, 'last_change': None, 'last_change_from': None}
+  step, value = earlier[-1]
+  change = last - value
+  return {'flat': abs(change) < tol, 'last_change': change, 'last_change_from': step}
+
+
+def collect(rundir: pathlib.Path, final_batches: int = -1) -> dict:
+  """The runner's record of the run with its periodic curve, its flatness, and (from
+  `evaluate_run`, in a process of its own: the grid's process stays free of JAX threads, which
+  its next fork would inherit) bits/char on the whole validation split (`final_batches`
+  batches if not -1), parameters and training FLOPs."""
+  out = runner.read_run(rundir)
+  final = final_evaluation(rundir, final_batches)
+  if final['vocab_size'] != VOCAB_SIZE:
+    raise ValueError(
+        f'{rundir}: vocabulary of {final["vocab_size"]} symbols, not the {VOCAB_SIZE} that '
+        'sized the equal-compute FLOPs: update VOCAB_SIZE'
+    )
+  evals = [m for m in out['metrics'] if m['split'] == 'eval']
+  if not evals:
+    raise ValueError(f'{rundir}: no eval line in metrics.jsonl')
+  curve = [[m['step'], m['loss'] / math.log(2)] for m in evals]
+  train = [m for m in out['metrics'] if m['split'] == 'train']
+  out['result'] = {
+      **out['result'],
+      **{key: final[key] for key in SIZE_KEYS},
+      'bits_per_char': final['loss'] / math.log(2),
+      'bits_per_char_periodic': curve[-1][1],  # the last periodic evaluation
+      'final_eval': {k: v for k, v in final.items() if k not in SIZE_KEYS},
+      'curve': curve,
+      'train_secs': max((m.get('train_secs', 0.0) for m in train), default=None),
+      **flatness(curve, out['full_config']['eval_every_steps']),
+  }
+  out['metrics'] = evals  # the train lines every steps/100: the curve is enough
+  return out
+
+
+def final_evaluation(rundir: pathlib.Path, batches: int = -1) -> dict:
+  """`evaluate_run`'s record, run in a process of its own once and cached in the run dir."""
+  rundir = pathlib.Path(rundir)
+  path = rundir / WHOLE_FILE
+  record = runner.files.read_json(path)
+  if record is None or record.get('batches') != batches:
+    command = [
+        sys.executable,
+        '-m',
+        MODULE,
+        f'--evaluate_run={rundir}',
+        f'--eval_batches={batches}',
+    ]
+    done = subprocess.run(command, cwd=runner.REPO_ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+      raise RuntimeError(f'{" ".join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}')
+    record = runner.files.read_json(path)
+  return record
+
+
+def evaluate_run(rundir: pathlib.Path, batches: int = -1) -> dict:
+  """Loss on the validation split (`batches` batches; -1: all) of a finished run's last
+  checkpoint, with the training loop's own eval step and evaluators; written to WHOLE_FILE."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+
+  from lowrank_attn import tasks as tasks_lib
+  from lowrank_attn.runs import RunDir, write_atomic
+  from lowrank_attn.train import state as state_lib
+
+  start = time.monotonic()
+  run = RunDir(rundir)
+  config = run.config
+  step = run.check_step()
+  if step != config.num_train_steps:
+    raise ValueError(
+        f'{rundir}: last checkpoint {step}, not the run length {config.num_train_steps}'
+    )
+  s = run.setup(config)
+  pipeline = tasks_lib.make_pipeline(
+      config.data,
+      split=config.eval_split,
+      seed=config.seed,
+      global_batch_size=config.per_device_batch_size * jax.device_count(),
+      train=False,
+      workdir=run.path,
+  )
+  _, lowered = state_lib.lower_steps(s, pipeline.element_spec, pipeline.element_spec)
+  eval_step = lowered.compile()
+  params = run.restore_params(step, s.abstract_state['params'])
+  context = tasks_lib.EvalContext(s, eval_step, run.tokenizer)
+  metrics = {}
+  for evaluator in s.task.make_evaluators(context):
+    metrics.update(evaluator.evaluate(params, pipeline, batches))
+  vocab_size = run.tokenizer.vocab_size
+  record = {
+      'step': step,
+      'split': config.eval_split,
+      'batches': batches,
+      **metrics,
+      'seconds': round(time.monotonic() - start, 1),
+      **sweep.model_size(config, vocab_size),
+      'vocab_size': vocab_size,
+  }
+  write_atomic(pathlib.Path(rundir) / WHOLE_FILE, json.dumps(record, indent=1))
+  print(json.dumps(record))
+  return record
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def finished(results) -> dict[str, dict]:
+  """Run name -> the collected result (with seed and wall time) of each finished run."""
+  return {
+      run['name']: {
+          **(run.get('result') or {}),
+          'wall_time_s': run.get('wall_time_total_s', run.get('wall_time_s')),
+      }
+      for run in results['runs']
+  }
+
+
+def diverged(plan: Plan, names: Iterable[str], done: Mapping[str, dict]) -> set[str]:
+  """The runs among `names` without a result whose log says their loss became NaN/inf."""
+  out = set()
+  for name in names:
+    log = plan.runs_dir / name / runner.LOG_FILE
+    if name not in done and log.exists() and 'non-finite' in log.read_text(errors='replace'):
+      out.add(name)
+  return out
+
+
+def finals(plan: Plan, points: Iterable[Point], done: Mapping[str, dict]) -> dict[str, float]:
+  """Run name -> final bits/char for `best_rates`: inf for a run that diverged."""
+  points = list(points)
+  out = {p.name: done[p.name]['bits_per_char'] for p in points if p.name in done}
+  out.update({name: math.inf for name in diverged(plan, [p.name for p in points], done)})
+  return out
+
+
+def row(point: Point, result: Mapping) -> dict:
+  final_s = (result.get('final_eval') or {}).get('seconds', 0.0)
+  return {
+      'run': point.name,
+      'arm': point.arm.label,
+      'kind': point.arm.kind,
+      'key': point.arm.key,
+      'h': point.arm.heads,
+      'd': point.arm.d,
+      'D': point.arm.emb_dim,
+      'lr': point.lr,
+      'seed': point.seed,
+      'steps': point.steps,
+      'bits_per_char': result['bits_per_char'],
+      'flat': result.get('flat'),
+      'last_change': result.get('last_change'),
+      'params': result['params'],
+      'train_flops': result['train_flops'],
+      'minutes': (result['wall_time_s'] + final_s) / 60,
+      'curve': result.get('curve', []),
+  }
+
+
+def seed_summary(rows: Sequence[dict]) -> list[dict]:
+  """Rows grouped over seeds: mean, each seed's value, range, all flattened?"""
+  groups: dict[tuple, list] = {}
+  for r in rows:
+    groups.setdefault((r['key'], r['lr'], r['steps']), []).append(r)
+  out = []
+  for members in groups.values():
+    members = sorted(members, key=lambda r: r['seed'])
+    values = [r['bits_per_char'] for r in members]
+    flats = [r['flat'] for r in members]
+    out.append(
+        {
+            **{
+                k: members[0][k]
+                for k in ('arm', 'kind', 'key', 'h', 'd', 'D', 'lr', 'steps', 'params')
+            },
+            'seeds': [r['seed'] for r in members],
+            'values': values,
+            'bits_per_char': sum(values) / len(values),
+            'range': max(values) - min(values),
+            'flat': None if None in flats else all(flats),
+            'last_change': [r['last_change'] for r in members],
+            'train_flops': members[0]['train_flops'],
+            'minutes': sum(r['minutes'] for r in members) / len(members),
+        }
+    )
+  return out
+
+
+def _bits(summary: Mapping) -> str:
+  if len(summary['values']) == 1:
+    return f"{summary['bits_per_char']:.4f}"
+  values = ', '.join(f'{v:.4f}' for v in summary['values'])
+  return f"{summary['bits_per_char']:.4f} (seeds: {values}; range {summary['range']:.4f})"
+
+
+def _flat(summary: Mapping) -> str:
+  changes = ', '.join(f'{c:+.3f}' for c in summary['last_change'] if c is not None)
+  word = {True: 'yes', False: 'no', None: '?'}[summary['flat']]
+  return f'{word} ({changes})' if changes else word
+
+
+def table(summaries: Sequence[Mapping], best: Mapping[str, float] | None = None) -> str:
+  mark = lambda s: ' (best)' if best and best.get(s['key']) == s['lr'] else ''
+  return runner.markdown_table(
+      summaries,
+      [
+          ('arm', 'kind'),
+          ('h', 'h'),
+          ('d', 'd'),
+          ('D', 'D'),
+          ('lr', lambda s: f"{s['lr']:g}{mark(s)}"),
+          ('steps', 'steps'),
+          ('seeds', lambda s: len(s['seeds'])),
+          ('final bits/char', _bits),
+          ('flattened? (last change)', _flat),
+          ('params', lambda s: f"{s['params'] / 1e6:.2f}M"),
+          ('train PFLOP', lambda s: f"{s['train_flops'] / 1e15:.3f}"),
+          ('minutes per run', lambda s: f"{s['minutes']:.1f}"),
+      ],
+  )
+
+
+def difference(a: Mapping, b: Mapping, what: str) -> str:
+  """A line: a minus b, in means and per seed, against each one's seed range."""
+  delta = a['bits_per_char'] - b['bits_per_char']
+  per_seed = [
+      f'seed {s}: {va - vb:+.4f}'
+      for s, va in zip(a['seeds'], a['values'])
+      for t, vb in zip(b['seeds'], b['values'])
+      if s == t
+  ]
+  largest = max(a['range'], b['range'])
+  verdict = 'larger than both seed ranges' if abs(delta) > largest else 'within a seed range'
+  return (
+      f"- {what}: {delta:+.4f} bits/char ({a['arm']} at lr {a['lr']:g}, {a['steps']} steps: "
+      f"{_bits(a)}; {b['arm']} at lr {b['lr']:g}, {b['steps']} steps: {_bits(b)}; "
+      f"{'; '.join(per_seed) or 'no common seed'}): {verdict} "
+      f"({len(a['values'])} and {len(b['values'])} seeds, no interval claimed)."
+  )
+
+
+def plot_rates(rows: Sequence[dict], arms: Sequence[Arm], out: pathlib.Path, ylabel: str) -> None:
+  """One panel per arm: the periodic validation curve at each rate (seed 0)."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+
+  arms = [arm for arm in arms if any(r['key'] == arm.key for r in rows)]
+  if not arms:
+    return
+  cols = min(3, len(arms))
+  nrows = math.ceil(len(arms) / cols)
+  fig = Figure(figsize=(4.2 * cols, 3.2 * nrows), layout='constrained')
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(nrows, cols, sharey=True, squeeze=False).ravel()
+  for ax, arm in zip(axes, arms):
+    for r in sorted((r for r in rows if r['key'] == arm.key), key=lambda r: r['lr']):
+      steps, bits = zip(*r['curve']) if r['curve'] else ((), ())
+      ax.plot(steps, bits, marker='o', markersize=3, label=f"lr {r['lr']:g}")
+    ax.set_title(arm.label, fontsize='small')
+    ax.set_xlabel('step')
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize='small')
+  for ax in axes[: len(arms) : cols]:
+    ax.set_ylabel(ylabel)
+  for ax in axes[len(arms) :]:
+    ax.set_visible(False)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(out, dpi=110)
+
+
+def plot_best(rows: Sequence[dict], out: pathlib.Path, title: str, ylabel: str) -> None:
+  """One line per arm (its best rate): mean over seeds, band min..max."""
+  points = [
+      {'arm': f"{r['arm']}, lr {r['lr']:g}, {r['steps']} steps", 'step': step, 'bits': bits}
+      for r in rows
+      for step, bits in r['curve']
+  ]
+  if points:
+    runner.plot_lines(
+        points,
+        x='step',
+        y='bits',
+        group='arm',
+        out=out,
+        title=title,
+        xlabel='step (16 x 128 characters)',
+        ylabel=ylabel,
+    )
+
+
+def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> str:
+  """The README section: runs summary, then per stage its table, plots and differences."""
+  done = finished(results)
+  ylabel = f'validation bits/char ({plan.eval_batches} batches)'
+  rel = lambda path: path.relative_to(plan.out_dir.parent).as_posix()
+  lines = [
+      runner.runs_summary(results),
+      '',
+      f'Budget: {plan.steps} steps of 16 x 128 characters '
+      f'({plan.steps * 16 * 128:,} characters) per run unless stated; final bits/char '
+      'on the whole validation split; curves: the periodic evaluations on its first '
+      f'{plan.eval_batches} batches. Flattened: the last two periodic evaluations differ by '
+      f'less than {FLAT_TOL} bits/char (the change in brackets).',
+      '',
+  ]
+  # Stage lr.
+  lr_pts = lr_points(plan)
+  rows_lr = [row(p, done[p.name]) for p in lr_pts if p.name in done]
+  best, notes = best_rates(finals(plan, lr_pts, done), plan.arms, plan)
+  width_lr = lr_points(plan, [WIDTH_ARM])
+  bad = diverged(plan, [p.name for p in lr_pts + width_lr], done)
+  lines += ['**Stage lr** (seed 0, every rate):', '', table(seed_summary(rows_lr), _by_key(best))]
+  if bad:
+    lines += [
+        f'Diverged (loss NaN/inf, no result; stages lr and width): {", ".join(sorted(bad))}.',
+        '',
+    ]
+  lines += [f'- {note}' for note in notes] + ([''] if notes else [])
+  if rows_lr:
+    rates_png = plan.out_dir / 'convergence_rates.png'
+    plot_rates(rows_lr, plan.arms, rates_png, ylabel)
+    lines += [f'![learning curves per arm and rate]({rel(rates_png)})', '']
+  # Stage seeds.
+  rows_seeds = [row(p, done[p.name]) for p in seed_points(best, plan) if p.name in done]
+  if rows_seeds:
+    summaries = {s['key']: s for s in seed_summary(rows_seeds)}
+    best_png = plan.out_dir / 'convergence_best.png'
+    plot_best(rows_seeds, best_png, 'Each arm at its best rate (min-max over seeds)', ylabel)
+    lines += [
+        '**Stage seeds** (each arm at its best rate):',
+        '',
+        table(list(summaries.values())),
+        f'![learning curves at the best rates]({rel(best_png)})',
+        '',
+        'fixed_head (d_p = n = 128) minus concat at the same h (negative: fixed_head better):',
+        '',
+    ]
+    for h in sorted({arm.heads for arm in plan.arms}):
+      fixed, concat = Arm(h, head_dim=LENGTH).key, Arm(h).key
+      if fixed in summaries and concat in summaries:
+        lines.append(difference(summaries[fixed], summaries[concat], f'h = {h}'))
+    lines.append('')
+  # Stage width.
+  rows_wlr = [row(p, done[p.name]) for p in width_lr if p.name in done]
+  if rows_wlr:
+    wbest, wnotes = best_rates(
+        finals(plan, width_lr + lr_points(plan, [WIDTH_BASELINE]), done),
+        (WIDTH_ARM, WIDTH_BASELINE),
+        plan,
+    )
+    lines += [
+        f'**Stage width**: {WIDTH_ARM.label} (MLP {4 * WIDTH_ARM.emb_dim}) against '
+        f"{WIDTH_BASELINE.label}; the D = 128 model's own rate sweep (seed 0):",
+        '',
+        table(seed_summary(rows_wlr), _by_key(wbest)),
+    ]
+    lines += [f'- {note}' for note in wnotes] + ([''] if wnotes else [])
+    if len(wbest) == 2:
+      flops = width_flops()
+      groups = width_points(wbest, plan, flops)
+      lines += [
+          f'Training FLOPs per token (analytic): {WIDTH_ARM.label} {flops[WIDTH_ARM] / 1e6:.2f}M, '
+          f'{WIDTH_BASELINE.label} {flops[WIDTH_BASELINE] / 1e6:.2f}M (ratio '
+          f'{flops[WIDTH_ARM] / flops[WIDTH_BASELINE]:.3f}); at equal compute the cheaper one '
+          'trains the longer run below.',
+          '',
+      ]
+      rows_w = [row(p, done[p.name]) for p in unique(sum(groups.values(), [])) if p.name in done]
+      summaries = seed_summary(rows_w)
+      lines += [table(summaries)]
+      by = {(s['key'], s['steps']): s for s in summaries}
+      for what, points in groups.items():
+        keys = list(dict.fromkeys((p.arm.key, p.steps) for p in points))
+        if all(k in by for k in keys):
+          a, b = (by[k] for k in keys)
+          if a['key'] != WIDTH_ARM.key:
+            a, b = b, a
+          lines.append(difference(a, b, f'{what}, fixed_head D = 128 minus concat D = 256'))
+      png = plan.out_dir / 'convergence_width.png'
+      plot_best(rows_w, png, 'fixed_head D = 128 vs concat D = 256 (min-max over seeds)', ylabel)
+      lines += ['', f'![width stage learning curves]({rel(png)})']
+  failures = {k: v for k, v in (failures or {}).items() if k not in bad}
+  if failures:
+    lines += ['', 'Failed: ' + '; '.join(f'{k} ({v})' for k, v in failures.items())]
+  return '\n'.join(lines)
+
+
+def _by_key(best: Mapping[Arm, float]) -> dict[str, float]:
+  return {arm.key: lr for arm, lr in best.items()}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+  parser = runner.arg_parser(__doc__, 'bottleneck_convergence')
+  parser.add_argument(
+      '--stage',
+      choices=('all', 'lr', 'seeds', 'width'),
+      default='all',
+      help='which stage to run (default: all, in order)',
+  )
+  parser.add_argument(
+      '--steps', type=int, default=STEPS, help='training steps per run (default %(default)s)'
+  )
+  parser.add_argument(
+      '--smoke',
+      action='store_true',
+      help=f'every stage on {SMOKE_STEPS} steps, two arms and two rates, under <runs_dir>/smoke',
+  )
+  parser.add_argument('--evaluate_run', help=argparse.SUPPRESS)  # collect's final evaluation
+  parser.add_argument('--eval_batches', type=int, default=-1, help=argparse.SUPPRESS)
+  parser.add_argument('--print_width_flops', action='store_true', help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.evaluate_run:
+    return evaluate_run(pathlib.Path(args.evaluate_run), args.eval_batches)
+  if args.print_width_flops:
+    flops = {arm.key: value for arm, value in width_flops().items()}
+    print(json.dumps(flops))
+    return flops
+  runs_dir = pathlib.Path(args.runs_dir).resolve()
+  if args.smoke:
+    plan = Plan.smoke(runs_dir)
+  else:
+    plan = Plan(steps=args.steps, runs_dir=runs_dir)
+  failures: dict[str, str] = {}
+  if args.plot_only:
+    results = runner.load_results(plan.out_dir)
+    failures = {f['name']: f['why'] for f in results.get('failed', [])}
+  else:
+    results = run_stages(plan, args.stage, args.parallel, args.refresh, failures)
+  text = report(results, plan, failures)
+  if args.smoke:
+    (plan.out_dir / 'report.md').write_text(text + '\n')
+    print(text)
+  else:
+    runner.write_section(HERE / 'README.md', SECTION, text)
+  failures = {
+      name: why
+      for name, why in failures.items()
+      if name not in diverged(plan, [name], finished(results))
+  }
+  if failures and not args.plot_only:
+    raise SystemExit(f'{len(failures)} runs failed: {", ".join(failures)} (see above; rerun)')
+  return results
+
+
+def run_stages(plan: Plan, stage: str, parallel: int, refresh: bool, failures: dict) -> dict:
+  """Runs the stage(s) in order; each reads the best rates from the runs finished so far."""
+
+  def grid(points: Iterable[Point]) -> dict:
+    points = unique(points)
+    # A run whose loss became NaN/inf does so again from its checkpoint (resuming is exact).
+    skip = diverged(plan, [p.name for p in points], {})
+    skip = {name for name in skip if not (plan.runs_dir / name / runner.DONE_FILE).exists()}
+    for name in sorted(skip):
+      print(f'convergence: not rerunning {name}: it diverged (its log.txt)', flush=True)
+    runs = [make_run(p, plan) for p in points if p.name not in skip]
+    results = runner.run_grid(
+        runs,
+        plan.out_dir,
+        runs_dir=plan.runs_dir,
+        parallel=parallel,
+        refresh=refresh,
+        exit_on_failure=False,
+    )
+    failures.update({f['name']: f['why'] for f in results['failed']})
+    return results
+
+  def picked(points: list[Point], arms: Sequence[Arm]) -> dict[Arm, float]:
+    path = plan.out_dir / runner.RESULTS_FILE
+    results = runner.load_results(path) if path.exists() else None
+    done = finished(results) if results else {}
+    best, notes = best_rates(finals(plan, points, done), arms, plan)
+    for note in notes:
+      print(f'convergence: {note}', flush=True)
+    return best
+
+  results = None
+  if stage in ('all', 'lr'):
+    results = grid(lr_points(plan))
+  if stage in ('all', 'seeds'):
+    best = picked(lr_points(plan), plan.arms)
+    print(f'convergence: best rates {_by_key(best)}', flush=True)
+    if best:
+      results = grid(seed_points(best, plan))
+  if stage in ('all', 'width'):
+    sweep_points = lr_points(plan, [WIDTH_ARM, WIDTH_BASELINE])
+    results = grid(sweep_points)
+    best = picked(sweep_points, (WIDTH_ARM, WIDTH_BASELINE))
+    print(f'convergence: width stage rates {_by_key(best)}', flush=True)
+    if len(best) == 2:
+      flops = width_flops(in_subprocess=True)
+      results = grid(sum(width_points(best, plan, flops).values(), []))
+  if results is None:
+    path = plan.out_dir / runner.RESULTS_FILE
+    return runner.load_results(path) if path.exists() else {'runs': [], 'failed': []}
+  return results
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])

@@ -1,0 +1,203 @@
+"""experiments/bottleneck/convergence.py: the stages' run lists, the best-rate pick, equal
+compute from the models' FLOPs, the flatness check and the report (no training)."""
+
+import math
+import pathlib
+
+import pytest
+
+from experiments.bottleneck import convergence as conv
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+VOCAB = conv.VOCAB_SIZE
+N = 128  # context
+
+
+def plan(**kwargs):
+  return conv.Plan(runs_dir=REPO_ROOT / 'runs' / 'unused', **kwargs)
+
+
+def flag(run, field):
+  (value,) = [a.split('=', 1)[1] for a in run.command if a.startswith(f'--config.{field}=')]
+  return value
+
+
+def closed_form_train_flops_per_token(emb_dim, heads, head_dim, mlp_dim, layers=2, vocab=VOCAB):
+  """3 x forward matmul FLOPs per token: per layer Q, K, V, O projections (4 D h d), logits and
+  weighted sum over the n positions (2 n h d), the MLP (2 D m); then the output layer (D V);
+  2 FLOPs per multiply-add."""
+  width = heads * head_dim
+  per_layer = 2 * (4 * emb_dim * width + 2 * N * width + 2 * emb_dim * mlp_dim)
+  return 3 * (layers * per_layer + 2 * emb_dim * vocab)
+
+
+def test_lr_stage_is_six_arms_at_three_rates():
+  p = plan()
+  runs = [conv.make_run(point, p) for point in conv.lr_points(p)]
+  names = [run.name for run in runs]
+  assert len(names) == len(set(names)) == 18
+  arms = {(a.kind, a.heads, a.d, a.emb_dim) for a in conv.LR_ARMS}
+  assert arms == {
+      ('concat', 1, 256, 256),
+      ('concat', 2, 128, 256),
+      ('concat', 8, 32, 256),
+      ('concat', 32, 8, 256),
+      ('fixed_head', 8, 128, 256),
+      ('fixed_head', 32, 128, 256),
+  }
+  assert 'concat-h8-D256-lr0.003-3000st-s0' in names
+  assert 'fixed128-h32-D256-lr0.01-3000st-s0' in names
+  for run in runs:
+    assert '--config=configs/lm.py:bottleneck' in run.command
+    assert flag(run, 'seed') == '0'
+    assert float(flag(run, 'learning_rate')) in (1e-3, 3e-3, 1e-2)
+    assert flag(run, 'num_train_steps') == '3000'
+    assert flag(run, 'warmup_steps') == '360'  # the config's 30 of 250 steps, scaled
+    assert flag(run, 'eval_every_steps') == '250'  # 12 evaluations
+    assert flag(run, 'num_eval_steps') == '24'
+  fixed = next(r for r in runs if r.name.startswith('fixed128-h8-'))
+  assert flag(fixed, 'model.attention.kind') == 'fixed_head'
+  assert flag(fixed, 'model.attention.head_dim') == '128'
+  # Other budgets are other runs.
+  assert not set(names) & {p.name for p in conv.lr_points(plan(steps=2000))}
+
+
+def test_seeds_stage_picks_each_arms_best_rate():
+  p = plan()
+  finals = {}
+  hand = {  # arm -> bits/char at 1e-3, 3e-3, 1e-2
+      conv.Arm(1): (2.10, 2.00, 2.05),
+      conv.Arm(2): (1.95, 2.01, math.inf),  # 1e-2 diverged
+      conv.Arm(8): (2.30, 2.20, 2.10),
+      conv.Arm(8, head_dim=128): (2.0, 2.0, 2.2),  # a tie: the lower rate
+      conv.Arm(32, head_dim=128): (math.inf,) * 3,  # every rate diverged: no pick
+  }
+  for arm, values in hand.items():
+    for point, value in zip(conv.lr_points(p, [arm]), values):
+      finals[point.name] = value
+  # concat h = 32 has a rate without a result: no pick.
+  finals[conv.Point(conv.Arm(32), 1e-3, 0, p.steps).name] = 2.0
+  best, notes = conv.best_rates(finals, conv.LR_ARMS, p)
+  assert best == {conv.Arm(1): 3e-3, conv.Arm(2): 1e-3, conv.Arm(8): 1e-2, conv.Arm(8, 128): 1e-3}
+  assert len(notes) == 2 and any('diverged' in n for n in notes)
+  points = conv.seed_points(best, p)
+  assert sorted((pt.arm.key, pt.lr, pt.seed) for pt in points) == sorted(
+      (arm.key, lr, seed) for arm, lr in best.items() for seed in (0, 1)
+  )
+  # Seed 0 is stage lr's run: the same name and command, so the runner trains it once.
+  lr_runs = {pt.name: conv.make_run(pt, p) for pt in conv.lr_points(p)}
+  for point in points:
+    if point.seed == 0:
+      assert conv.make_run(point, p).command == lr_runs[point.name].command
+    else:
+      assert point.name not in lr_runs
+
+
+def test_analytic_flops_match_the_closed_form():
+  fixed = closed_form_train_flops_per_token(128, 8, 128, 512)
+  concat = closed_form_train_flops_per_token(256, 8, 32, 1024)
+  assert conv.train_flops_per_token(conv.WIDTH_ARM) == pytest.approx(fixed, rel=1e-9)
+  assert conv.train_flops_per_token(conv.WIDTH_BASELINE) == pytest.approx(concat, rel=1e-9)
+
+
+def test_width_stage_gives_the_cheaper_model_the_steps_of_equal_compute():
+  p = plan()
+  fixed = closed_form_train_flops_per_token(128, 8, 128, 512)  # D = 128, h = 8, d_p = 128
+  concat = closed_form_train_flops_per_token(256, 8, 32, 1024)  # D = 256, h = 8, d = 32
+  assert fixed > concat  # at n = 128, h d_p = 1024 costs more than concat's 256 at twice D
+  best = {conv.WIDTH_ARM: 3e-3, conv.WIDTH_BASELINE: 1e-3}
+  flops = conv.width_flops()  # the models' own accounting (checked against the closed form above)
+  groups = conv.width_points(best, p, flops)
+  assert conv.width_points(best, p, {conv.WIDTH_ARM: fixed, conv.WIDTH_BASELINE: concat}) == groups
+  steps = {(pt.arm, pt.seed): pt.steps for pt in groups['equal steps']}
+  assert steps == {(arm, s): 3000 for arm in best for s in (0, 1)}
+  compute = {(pt.arm, pt.seed): pt for pt in groups['equal compute']}
+  assert len(compute) == 4
+  want = round(3000 * fixed / concat)
+  assert want == 3208
+  for seed in (0, 1):
+    assert compute[conv.WIDTH_BASELINE, seed].steps == want
+    assert compute[conv.WIDTH_BASELINE, seed].lr == 1e-3
+    assert compute[conv.WIDTH_ARM, seed].steps == 3000
+    assert compute[conv.WIDTH_ARM, seed].lr == 3e-3
+  # The equal-steps concat runs are the seeds stage's (same names).
+  seeds = {pt.name for pt in conv.seed_points({conv.WIDTH_BASELINE: 1e-3}, p)}
+  assert seeds == {pt.name for pt in groups['equal steps'] if pt.arm == conv.WIDTH_BASELINE}
+  names = [pt.name for pt in conv.unique(sum(groups.values(), []))]
+  assert len(names) == len(set(names)) == 6
+  run = conv.make_run(compute[conv.WIDTH_BASELINE, 0], p)
+  assert flag(run, 'num_train_steps') == '3208'
+  assert flag(run, 'warmup_steps') == str(round(3208 * 30 / 250))
+  fixed_run = conv.make_run(compute[conv.WIDTH_ARM, 0], p)
+  assert flag(fixed_run, 'model.emb_dim') == '128'
+  assert flag(fixed_run, 'model.mlp_dim') == '512'
+
+
+def test_flatness_compares_the_last_evaluation_with_the_one_a_window_earlier():
+  steps = [250 * k for k in range(1, 13)]
+  falling = [[s, 3.0 - 0.0001 * s] for s in steps]  # 0.025 per window
+  flat = [[s, 2.0 + 1.0 / s] for s in steps]  # 0.0003 over the last window
+  assert conv.flatness(falling, 250) == {
+      'flat': False,
+      'last_change': pytest.approx(-0.025),
+      'last_change_from': 2750,
+  }
+  assert conv.flatness(flat, 250)['flat'] is True
+  # The threshold: 0.009 is flat, 0.011 is not, either sign.
+  assert conv.flatness([[0, 2.0], [250, 2.009]], 250)['flat'] is True
+  assert conv.flatness([[0, 2.0], [250, 1.989]], 250)['flat'] is False
+  assert conv.flatness([[0, 2.0], [250, 2.011]], 250, tol=0.02)['flat'] is True
+  # An uneven last step (equal compute: 3208 steps, evaluations every 267) is compared with the
+  # evaluation at least 267 steps before it (2937), not with 3204.
+  uneven = [[267 * k, 3.0 - 0.0001 * 267 * k] for k in range(1, 13)] + [[3208, 2.6]]
+  result = conv.flatness(uneven, 267)
+  assert result['last_change_from'] == 2937 and result['flat'] is False
+  assert conv.flatness([[250, 2.0]], 250)['flat'] is None
+  assert conv.flatness([], 250)['flat'] is None
+
+
+def fake_run(point, bits, flat=True):
+  return {
+      'name': point.name,
+      'seed': point.seed,
+      'config': {},
+      'wall_time_s': 600.0,
+      'result': {
+          'bits_per_char': bits,
+          'params': 1.6e6,
+          'train_flops': 1e14,
+          'final_eval': {'seconds': 30.0},
+          'curve': [[s, bits + 1 / s] for s in (250, 500, 750)],
+          'flat': flat,
+          'last_change': -0.001,
+      },
+  }
+
+
+def test_report_tables_and_differences(tmp_path):
+  p = conv.Plan(runs_dir=tmp_path, out_dir=tmp_path / 'convergence')
+  rates = dict(zip(conv.RATES, (0.1, 0.0, 0.2)))  # 3e-3 is best for every arm
+  runs = []
+  for point in conv.lr_points(p) + conv.lr_points(p, [conv.WIDTH_ARM]):
+    runs.append(fake_run(point, 2.0 + rates[point.lr] + 0.01 * point.arm.heads))
+  best = {arm: 3e-3 for arm in conv.LR_ARMS}
+  for point in conv.seed_points(best, p):
+    if point.seed == 1:
+      base = 2.0 + 0.01 * point.arm.heads
+      runs.append(fake_run(point, base + 0.004))
+  wbest = {conv.WIDTH_ARM: 3e-3, conv.WIDTH_BASELINE: 3e-3}
+  names = {r['name'] for r in runs}
+  for point in sum(conv.width_points(wbest, p, conv.width_flops()).values(), []):
+    if point.name not in names:
+      names.add(point.name)
+      runs.append(fake_run(point, 2.05, flat=False))
+  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  assert '**Stage lr**' in text and '**Stage seeds**' in text and '**Stage width**' in text
+  assert text.count('(best)') == 6 + 1
+  # h = 8: fixed (2.08, 2.084) minus concat (2.08, 2.084): zero, within the seed range.
+  assert '- h = 8: +0.0000 bits/char' in text
+  assert 'seed 0: +0.0000; seed 1: +0.0000' in text
+  assert 'equal compute, fixed_head D = 128 minus concat D = 256' in text
+  assert '3208 steps' in text
+  for png in ('convergence_rates.png', 'convergence_best.png', 'convergence_width.png'):
+    assert (p.out_dir / png).exists()
