@@ -2,7 +2,8 @@
 
     python -m experiments.heads.steps analyse  --run=BASE --out=DIR [--max_batches=N]
     python -m experiments.heads.steps evaluate --run=RUN --out=DIR [--prune=gates|importance|random
-        --keep=K --types=encoder|all --importance=ANALYSE_DIR --seed=S] [--num_sentences=N]
+        --keep=K --types=encoder|all --importance=ANALYSE_DIR --seed=S [--prune_only]]
+        [--num_sentences=N]
     python -m experiments.heads.steps retrain  --pruned=DIR --out=DIR --steps=N [--lr=X]
 
 analyse   head importance (Michel et al., per layer L2-normalised and raw) and confidence (Voita
@@ -11,7 +12,8 @@ evaluate  test BLEU (test_2016_flickr, sacreBLEU) of a run, or of a pruned copy 
           DIR/pruned: the heads with eval gate > 0 (gates; the gated model is scored too, and
           must score the same), the K most important heads by ANALYSE_DIR's normalised
           importance ranked over the types pruned (importance; Michel et al.'s global ranking),
-          or K random heads (random) -> DIR/result.json.
+          or K random heads (random) -> DIR/result.json. --prune_only: the pruned copy, its
+          heads and size, no BLEU (the pruned model is fine-tuned and scored by that run).
 retrain   trains a pruned copy (a run written by evaluate) for N steps from its parameters, then
           scores it as evaluate does (Michel et al.'s "retrain after pruning").
 """
@@ -194,8 +196,9 @@ def evaluate(args) -> None:
       keep={t: np.asarray(k).astype(int).tolist() for t, k in keep.items()},
       overrides=overrides,
       **model_size(RunDir(pruned_dir).model()),
-      **bleu(str(pruned_dir), out, args),
   )
+  if not args.prune_only:
+    result.update(bleu(str(pruned_dir), out, args))
   write_result(out, result)
 
 
@@ -257,6 +260,11 @@ def main(argv=None):
   evaluate_parser.add_argument('--types', choices=('encoder', 'all'), default='encoder')
   evaluate_parser.add_argument('--importance', help='an analyse output directory')
   evaluate_parser.add_argument('--seed', type=int, default=0)
+  evaluate_parser.add_argument(
+      '--prune_only',
+      action='store_true',
+      help='write the pruned copy and its size, score nothing (a fine-tune scores it)',
+  )
   retrain_parser = commands.choices['retrain']
   retrain_parser.add_argument('--pruned', required=True, help='a pruned run (evaluate wrote it)')
   retrain_parser.add_argument('--steps', type=int, required=True)
