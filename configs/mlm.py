@@ -6,7 +6,7 @@ only sets what differs for the task. Variants: `configs/mlm.py:<variant>`.
   tiny  2-layer, D=128 encoder on tiny Shakespeare with a 1,000-piece SentencePiece
         vocabulary; 15% of tokens predicted (BERT's 80/10/10 corruption).
         python -m lowrank_attn.main --config=configs/mlm.py:tiny --workdir=runs/mlm_tiny
-        Measured 2026-11-25: 29 s wall on 2 shared CPU cores (1 device, 100 steps of 32 x 128
+        Measured: 29 s wall on 2 shared CPU cores (2026-11-25; 1 device, 100 steps of 32 x 128
         tokens, tokenizer training included); masked-token loss 7.41 at step 1, eval loss
         5.17 (accuracy 13%) at step 100.
   base  BERT-style 6-layer, D=512, post-LayerNorm encoder on the complete works of

@@ -26,7 +26,8 @@ def define_flags(flag_values: flags.FlagValues, sys_argv: list[str] | None = Non
   flags.DEFINE_string(
       'workdir',
       None,
-      'Directory for checkpoints, metrics and config.json.',
+      'Directory for checkpoints, metrics and config.json: local, or remote '
+      '(gs://BUCKET/run, with gcsfs installed).',
       flag_values=flag_values,
   )
   config_flags.DEFINE_config_file(

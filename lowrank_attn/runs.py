@@ -12,25 +12,34 @@ Layout (what `lowrank_attn.train` writes):
   checkpoints/<step>/        Orbax checkpoints (`train.checkpoints`, the only Orbax user); a
                              half-written save has another name and is not a step;
   tokenizers/                the vocabulary the run trained (unless it reads a shared one);
-  tfds/                      its prepared data (unless `data.tfds_data_dir` is elsewhere).
+  tfds/                      its prepared data (unless `data.tfds_data_dir` is elsewhere;
+                             a remote run's is on each machine: `files.local_dir`).
+
+A run directory may be remote (`gs://BUCKET/...`): every file is read and written through
+`lowrank_attn.files` (epath for remote paths), Orbax reads gs:// itself, and a remote step
+directory counts once Orbax's `commit_success.txt` is in it (GCS has no atomic rename).
 
 A model written as a run (`RunDir.write_model`) holds its parameters as checkpoint step 0 and,
 in config.json, the training config that builds it: it is a warm-start source for the
 training command line (`--config.init_from=DIR`), not a run to resume (no optimizer state).
 
-This module's top imports only the standard library: checking a directory fails fast
-(`python -m lowrank_attn.translate`), and `train.checkpoints` takes `write_atomic` and the
-layout names from here. What reads arrays (JAX, Orbax, the data package) is imported where used.
+This module's top imports only the standard library and `lowrank_attn.files` (the same):
+checking a directory fails fast (`python -m lowrank_attn.translate`), and `train.checkpoints`
+takes `write_atomic` and the layout names from here. What reads arrays (JAX, Orbax, the data package) is imported where used.
 """
 
 import copy
 import dataclasses
 import functools
-import glob
 import json
 import os
 from typing import TYPE_CHECKING, Any
-import uuid
+
+from lowrank_attn import files
+
+# `write_atomic` is `files.write_atomic` (local: write then rename; remote: one object write),
+# imported from here by `train.checkpoints` and the research code.
+from lowrank_attn.files import write_atomic  # pylint: disable=unused-import
 
 if TYPE_CHECKING:
   from flax import nnx
@@ -44,30 +53,9 @@ CONFIG_FILE = 'config.json'
 CHECKPOINT_DIR = 'checkpoints'
 TOKENIZER_DIR = 'tokenizers'
 TFDS_DIR = 'tfds'
-
-
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-  """Writes `data` (text as UTF-8) to `path`: readers see the old file or the new, never half.
-
-  Written to a uniquely named temporary file in the same directory (same file system, so the
-  rename is atomic; unique, so concurrent writers do not mix), flushed to disk, then renamed
-  over `path`. The directory must exist.
-  """
-  path = os.fspath(path)
-  directory, name = os.path.split(os.path.abspath(path))
-  tmp = os.path.join(directory, f'.{name}.{uuid.uuid4().hex}.tmp')
-  # os.open with mode 0o666 leaves permissions to the umask, as open() does (mkstemp: 0600).
-  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-  try:
-    with os.fdopen(fd, 'wb') as f:
-      f.write(data.encode('utf-8') if isinstance(data, str) else data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+# Orbax's mark of a committed step where there is no atomic rename (GCS): `<step>/` is written
+# in place and committed by this file (`orbax.checkpoint`'s CommitFileTemporaryPath).
+COMMIT_FILE = 'commit_success.txt'
 
 
 def with_overrides(
@@ -145,11 +133,13 @@ class RunDir:
   """A run directory (see the module docstring): its config, tokenizer, checkpoints, model.
 
   Nothing is read at construction; `steps()`, `is_run()` and `check_step()` read no arrays
-  and import no JAX. A `RunDir` is path-like: `os.path.join(run, 'x')` works.
+  and import no JAX. A `RunDir` is path-like: `os.path.join(run, 'x')` works. `path` may be
+  remote (`gs://...`; `files.is_remote`): kept as given, read through `lowrank_attn.files`.
   """
 
   def __init__(self, path: str | os.PathLike):
-    self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    path = os.fspath(path)
+    self.path = files.resolve(path if files.is_remote(path) else os.path.expanduser(path))
 
   def __fspath__(self) -> str:
     return self.path
@@ -167,20 +157,26 @@ class RunDir:
 
   def is_run(self) -> bool:
     """Whether the directory holds a run's config.json."""
-    return os.path.isfile(self.config_path)
+    return files.isfile(self.config_path)
 
   # ---------------------------------------------------------------------------- checkpoints
 
   def steps(self) -> list[int]:
     """Committed checkpoint steps, ascending: `checkpoints/<step>` directories (a half-written
-    save has another name)."""
-    if not os.path.isdir(self.checkpoint_dir):
+    save has another name; remote, where a save is written in place, a step directory
+    without Orbax's commit file is not a step either)."""
+    if not files.isdir(self.checkpoint_dir):
       return []
-    return sorted(
-        int(name)
-        for name in os.listdir(self.checkpoint_dir)
-        if name.isdigit() and os.path.isdir(os.path.join(self.checkpoint_dir, name))
-    )
+    remote = files.is_remote(self.checkpoint_dir)
+    steps = []
+    for name in files.listdir(self.checkpoint_dir):
+      step_dir = os.path.join(self.checkpoint_dir, name)
+      if not name.isdigit() or not files.isdir(step_dir):
+        continue
+      if remote and not files.exists(os.path.join(step_dir, COMMIT_FILE)):
+        continue
+      steps.append(int(name))
+    return sorted(steps)
 
   def latest_step(self) -> int | None:
     steps = self.steps()
@@ -236,8 +232,7 @@ class RunDir:
 
     if not self.is_run():
       raise ValueError(f'{self.path} is not a run directory: it has no {CONFIG_FILE}.')
-    with open(self.config_path) as f:
-      return config_lib.from_dict(json.load(f))
+    return config_lib.from_dict(json.loads(files.read_text(self.config_path)))
 
   @functools.cached_property
   def tokenizer(self) -> 'Tokenizer':
@@ -290,7 +285,10 @@ class RunDir:
     data = self.config.data
     tokenizer_path = data.tokenizer_path
     if tokenizer_path is None and data.tokenizer != 'wordpiece':
-      found = sorted(glob.glob(os.path.join(self.path, TOKENIZER_DIR, '*')))
+      directory = os.path.join(self.path, TOKENIZER_DIR)
+      names = files.listdir(directory) if files.isdir(directory) else []
+      # (as glob's '*': no dot files, so a writer's temporary file is not a tokenizer)
+      found = sorted(os.path.join(directory, n) for n in names if not n.startswith('.'))
       if len(found) != 1:
         raise ValueError(
             f'{self.path}/{TOKENIZER_DIR} holds {len(found)} files {found}; '
@@ -299,7 +297,9 @@ class RunDir:
       tokenizer_path = found[0]
     return {
         'data.tokenizer_path': tokenizer_path,
-        'data.tfds_data_dir': data.tfds_data_dir or os.path.join(self.path, TFDS_DIR),
+        # A remote run's prepared data is on each machine that ran it (`files.local_dir`).
+        'data.tfds_data_dir': data.tfds_data_dir
+        or os.path.join(files.local_dir(self.path), TFDS_DIR),
     }
 
   # ---------------------------------------------------------------------------- writing

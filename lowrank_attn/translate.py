@@ -8,7 +8,8 @@ One sentence per line in (raw text; `.gz` files are read as gzip), one translati
 out, in the same order. The run's `config.json` gives the model, its tokenizer is read from the
 run directory and only the parameters are restored from `checkpoints/<step>` (the latest
 unless --step), onto a mesh of all local devices shaped as the run's (or all data-parallel if
-that shape does not fit). Sentences are encoded as training's evaluation encodes sources,
+that shape does not fit). The run directory may be remote (`--workdir=gs://BUCKET/run`: read
+through `lowrank_attn.files` and Orbax). Sentences are encoded as training's evaluation encodes sources,
 sorted by length, batched, searched by `lowrank_attn.train.decode`'s jitted beam search (the
 one the end of training evaluates with), and put back in input order.
 
@@ -36,7 +37,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from lowrank_attn import runs  # standard library only: a wrong --workdir fails at once
+from lowrank_attn import files, runs  # standard library only: a wrong --workdir fails at once
 
 USAGE_ERROR = 2
 # Over-long lines are named one by one up to this many, then counted.
@@ -59,8 +60,8 @@ def fail(message: str):
 
 def check_run(workdir: str, step: int | None) -> int:
   """The checkpoint step to restore, or UsageError (without importing JAX: fails fast)."""
-  run = runs.RunDir(workdir)
-  if not os.path.isdir(run.path):
+  run = runs.RunDir(workdir)  # local or remote (gs://...: read through `lowrank_attn.files`)
+  if not files.isdir(run.path):
     raise UsageError(f'--workdir={workdir}: no such directory.')
   if not run.is_run():
     raise UsageError(f'--workdir={workdir} is not a training run: it has no {runs.CONFIG_FILE}.')
@@ -252,7 +253,7 @@ def translate_file(
   Raises UsageError for what the command reports in one line (exit status 2).
   """
   started = time.perf_counter()
-  workdir = os.path.abspath(os.path.expanduser(workdir))
+  workdir = runs.RunDir(workdir).path  # absolute; a remote (gs://) one as given
   step = check_run(workdir, step)
   sources = read_lines(input_path, '--input')
   references = read_lines(reference, '--reference') if reference is not None else None
@@ -359,7 +360,8 @@ def define_flags() -> None:
   flags.DEFINE_string(
       'workdir',
       None,
-      'The training run: its directory (config.json, ' 'checkpoints/, tokenizers/).',
+      'The training run: its directory (config.json, checkpoints/, tokenizers/), local or '
+      'remote (gs://BUCKET/...).',
   )
   flags.DEFINE_string(
       'input', '-', 'Source sentences, one per line (.gz read as gzip); ' '- = stdin.'

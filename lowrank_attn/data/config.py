@@ -28,7 +28,8 @@ class DataConfig:
   name: str = 'tiny_shakespeare'  # data set (see the class docstring)
   task: str = 'lm'  # whose `RowFormat` makes the batches (a name in `lowrank_attn.tasks`)
   data_dir: str | None = None  # raw files like ../shared/data; None: $LOWRANK_ATTN_DATA or URLs
-  tfds_data_dir: str | None = None  # prepared data; None: <workdir>/tfds, ~/tensorflow_datasets
+  # Prepared data; None: <workdir>/tfds (a remote workdir: a local cache), ~/tensorflow_datasets.
+  tfds_data_dir: str | None = None
   max_length: int = 256  # lm/mlm: tokens per row; nmt: tokens per side, EOS included
   tokenizer: str = 'char'  # 'char' | 'sentencepiece' | 'wordpiece'
   vocab_size: int = 8000  # SentencePiece vocabulary (> 261: 5 special ids + 256 byte pieces)

@@ -20,6 +20,7 @@ from typing import Any
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core.utils import tqdm_utils
 
+from lowrank_attn import files
 from lowrank_attn.data import builders
 
 DatasetSpec = builders.DatasetSpec
@@ -92,9 +93,11 @@ def _unknown_name_message(name: str, tfds_data_dir: str) -> str:
 
 
 def default_tfds_data_dir(workdir: str | os.PathLike | None) -> str:
-  """Where prepared ArrayRecord datasets go when data.tfds_data_dir is None."""
+  """Where prepared ArrayRecord datasets go when data.tfds_data_dir is None: `<workdir>/tfds`;
+  for a remote workdir (gs://...) `tfds/` in this machine's directory of the run
+  (`files.local_dir`), since they are read as local files and prepared by each machine."""
   if workdir is not None:
-    return os.path.join(os.fspath(workdir), 'tfds')
+    return os.path.join(files.local_dir(workdir), 'tfds')
   return os.path.expanduser(os.path.join('~', 'tensorflow_datasets'))
 
 

@@ -23,6 +23,8 @@ config are in `config.py`.
 """
 
 from collections.abc import Callable, Iterator
+import contextlib
+import fcntl
 import math
 import os
 import re
@@ -32,6 +34,7 @@ from absl import flags
 import grain
 import numpy as np
 
+from lowrank_attn import files
 from lowrank_attn.data import datasets
 from lowrank_attn.data import packing as packing_lib
 from lowrank_attn.data import tokenizers as tokenizers_lib
@@ -77,13 +80,17 @@ def make_pipeline(
       dropped, nmt pairs packed when data.packing. False: one pass in file order, every example
       exactly once (nmt/unpacked examples truncated to max_length, nmt one pair per row), the
       last batch padded with rows of weight 0; every process yields the same number of batches.
-    workdir: run directory (tokenizer cache, default tfds_data_dir).
+    workdir: run directory (tokenizer cache, default tfds_data_dir). A remote one (gs://...):
+      the tokenizer is still kept there (read and written through epath: one vocabulary
+      for all hosts), while the prepared data and the encoded rows, which are read as local
+      files, go to this machine's directory of the run (`files.local_dir`).
     process_index, process_count: this process's rows are examples
       process_index::process_count of the split (`jax.process_index()`, `jax.process_count()`).
     barrier: with process_count > 1, process 0 prepares the data set and trains the tokenizer
       (files under tfds_data_dir and workdir), then every process calls `barrier(name)`, then
       the others load what process 0 wrote (or prepare their own copy where the directories
-      are not shared). None: `jax.experimental.multihost_utils.sync_global_devices` when JAX
+      are not shared: a remote workdir's local data; the processes of one machine then take
+      turns, by a lock file there, so that one prepares and the others read). None: `jax.experimental.multihost_utils.sync_global_devices` when JAX
       runs several processes, else no barrier. Every process must build its pipelines in the
       same order.
 
@@ -100,21 +107,26 @@ def make_pipeline(
   if not 0 <= process_index < process_count:
     raise ValueError(f'process_index={process_index}; valid: 0..{process_count - 1}')
   tfds_data_dir = config.tfds_data_dir or datasets.default_tfds_data_dir(workdir)
+  # A remote workdir's local caches are per machine: its processes take turns preparing.
+  machine_dir = (
+      files.local_dir(workdir) if workdir is not None and files.is_remote(workdir) else None
+  )
 
   def prepare():
-    source = _load_source(config, format, split, tfds_data_dir)
-    fields = _text_fields(config, format, source)
-    tokenizer = _load_tokenizer(config, fields, workdir=workdir, tfds_data_dir=tfds_data_dir)
-    encoded = None
-    if format.first_fit_packing(config, train=train) is not None:
-      encoder = format.encoder(tokenizer, fields, config, truncate=False)
-      path = (
-          None
-          if workdir is None
-          else _encoded_cache_path(config, split, format, encoder, len(source), workdir)
-      )
-      encoded = packing_lib.load_or_encode(source, encoder, path, tokenizers_lib.write_atomically)
-    return source, fields, tokenizer, encoded
+    with _machine_lock(machine_dir):
+      source = _load_source(config, format, split, tfds_data_dir)
+      fields = _text_fields(config, format, source)
+      tokenizer = _load_tokenizer(config, fields, workdir=workdir, tfds_data_dir=tfds_data_dir)
+      encoded = None
+      if format.first_fit_packing(config, train=train) is not None:
+        encoder = format.encoder(tokenizer, fields, config, truncate=False)
+        path = (
+            None
+            if workdir is None
+            else _encoded_cache_path(config, split, format, encoder, len(source), workdir)
+        )
+        encoded = packing_lib.load_or_encode(source, encoder, path, tokenizers_lib.write_atomically)
+      return source, fields, tokenizer, encoded
 
   source, fields, tokenizer, encoded = process_zero_first(
       prepare,
@@ -158,6 +170,23 @@ def process_zero_first(
       barrier(name)
   barrier(name)
   return prepare()
+
+
+@contextlib.contextmanager
+def _machine_lock(directory: str | None):
+  """An exclusive `flock` on `<directory>/.prepare.lock` while preparing (None: none). The
+  processes of one machine share its local caches: the first prepares, the next ones wait
+  and then find the data prepared."""
+  if directory is None:
+    yield
+    return
+  os.makedirs(directory, exist_ok=True)
+  fd = os.open(os.path.join(directory, '.prepare.lock'), os.O_RDWR | os.O_CREAT, 0o666)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # (releases the lock)
 
 
 def _jax_barrier(name: str) -> None:
@@ -208,10 +237,13 @@ def _text_fields(config: DataConfig, fmt: RowFormat, source) -> tuple[str, ...]:
 def _encoded_cache_path(
     config: DataConfig, split: str, fmt: RowFormat, encoder, num_examples: int, workdir
 ) -> str:
-  """The whole split encoded once (`packing.Encoded`), named by what the encoding depends on."""
+  """The whole split encoded once (`packing.Encoded`), named by what the encoding depends on;
+  in `<workdir>/encoded`, or this machine's directory of a remote run (read as a local file)."""
   name = re.sub(r'[^A-Za-z0-9_.-]', '_', f'{config.name}_{split}_{fmt.name}')
   return os.path.join(
-      os.fspath(workdir), 'encoded', f'{name}_{packing_lib.fingerprint(encoder, num_examples)}.npz'
+      files.local_dir(workdir),
+      'encoded',
+      f'{name}_{packing_lib.fingerprint(encoder, num_examples)}.npz',
   )
 
 
@@ -239,7 +271,7 @@ def load_tokenizer(
   """
   config = as_data_config(data_config)
   path = _tokenizer_cache_path(config, _file_features(config, format), workdir)
-  if path is not None and not os.path.exists(path):
+  if path is not None and not files.exists(path):  # (a remote run's: gs://...)
     raise FileNotFoundError(
         f'no {config.tokenizer} tokenizer at {path} (the run trains it '
         'before its first step; set data.tokenizer_path if it is elsewhere)'

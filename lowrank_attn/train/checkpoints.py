@@ -20,6 +20,10 @@ Faults:
     good checkpoint (`CheckpointError`); old checkpoints are deleted only after a newer save
     has committed, so a failed save never costs the last good one (`Checkpointer.check`);
   two runs on one workdir: the first holds `<workdir>/lock` (`WorkdirLock`), the second stops.
+
+A remote workdir (gs://...): Orbax writes it itself (epath, and TensorStore's GCS driver for
+the arrays), committing a step by a `commit_success.txt` in it instead of a rename; the rest
+(config.json, moving damaged steps aside, the lock) goes through `lowrank_attn.files`.
 """
 
 from collections.abc import Mapping
@@ -29,18 +33,21 @@ import fcntl
 import json
 import logging as std_logging
 import os
-import shutil
 import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
+import uuid
 
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
+
+from lowrank_attn import files
 
 # The run directory's layout and file writer are `lowrank_attn.runs`' (stdlib only there).
 from lowrank_attn.runs import CHECKPOINT_DIR, CONFIG_FILE, write_atomic
@@ -107,7 +114,7 @@ class Checkpointer:
   def __init__(self, workdir: str, *, keep: int = 3, async_save: bool = True):
     if keep < 1:
       raise ValueError(f'config.keep_checkpoints={keep} must be >= 1.')
-    self.workdir = os.path.abspath(workdir)
+    self.workdir = files.resolve(workdir)  # local: absolute; remote (gs://): as given
     self.directory = os.path.join(self.workdir, CHECKPOINT_DIR)
     self.keep = keep
     options = ocp.CheckpointManagerOptions(
@@ -260,14 +267,16 @@ class Checkpointer:
     return None, None, None, []
 
   def _move_aside(self, step: int) -> str:
-    """Moves step directory `step` to `<workdir>/damaged_checkpoints/<step>[.<n>]` (process 0)."""
+    """Moves step directory `step` to `<workdir>/damaged_checkpoints/<step>[.<n>]` (process 0).
+
+    Remote (GCS has no rename): copied, then deleted (`files.move`)."""
     base = os.path.join(self.workdir, DAMAGED_DIR, str(step))
     target, n = base, 1
-    while os.path.exists(target):
+    while files.exists(target):
       target, n = f'{base}.{n}', n + 1
     if jax.process_index() == 0:
-      os.makedirs(os.path.dirname(target), exist_ok=True)
-      shutil.move(os.path.join(self.directory, str(step)), target)
+      files.makedirs(os.path.dirname(target))
+      files.move(os.path.join(self.directory, str(step)), target)
     return target
 
   def wait(self) -> None:
@@ -291,7 +300,7 @@ def load_state(workdir: str, step: int | None = None) -> tuple[int, Any]:
 
   For analysis and tests: no model, mesh or config needed.
   """
-  directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+  directory = os.path.join(files.resolve(workdir), CHECKPOINT_DIR)
   handlers = {'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler()}
   with ocp.CheckpointManager(
       directory, item_handlers=handlers, options=ocp.CheckpointManagerOptions(create=False)
@@ -311,7 +320,7 @@ def load_state(workdir: str, step: int | None = None) -> tuple[int, Any]:
 def restore_params(workdir: str, step: int, abstract_params: Any) -> Any:
   """Only the parameters of a run's checkpoint (no optimizer state is read), laid out as
   `abstract_params`' shardings (ShapeDtypeStructs with shardings: any mesh)."""
-  directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+  directory = os.path.join(files.resolve(workdir), CHECKPOINT_DIR)
   target = {'params': abstract_params}
   with ocp.CheckpointManager(
       directory, item_names=('state',), options=ocp.CheckpointManagerOptions(create=False)
@@ -436,15 +445,41 @@ class WorkdirBusyError(RuntimeError):
 
 
 class WorkdirLock:
-  """One run per workdir: an exclusive `flock` on `<workdir>/lock` (process 0 only), which holds
-  the holder's host, pid and start time. The kernel releases it when the process ends however
-  it ends (a crash, SIGKILL), so a stale file never blocks a later run.
+  """One run per workdir, held by process 0 in `<workdir>/lock`, which names the holder's host,
+  pid and start time.
+
+  Local workdir: an exclusive `flock` on the file. The kernel releases it when the process ends
+  however it ends (a crash, SIGKILL), so a stale file never blocks a later run.
+
+  Remote workdir (gs://: no `flock`, and epath has no create-if-absent): a heartbeat object.
+  The lock object (JSON: holder, a token, the holder's clock at its last heartbeat) is
+  rewritten every `HEARTBEAT_SECS` by a thread of the holder and deleted on release. A start
+  finding one whose heartbeat is less than `STALE_SECS` old refuses, as locally; an older one
+  (its run was killed without releasing it: SIGKILL, a lost VM) is taken over, with a line
+  saying so. After writing its own, a start waits `SETTLE_SECS` and reads the object back:
+  if another start wrote over it meanwhile, the earlier writer refuses (GCS reads see the
+  latest write). Not race-free: two starts whose write and read-back interleave within a
+  write's latency could both go on, and the heartbeats compare two machines' clocks (NTP keeps
+  them within a second or so). A run killed without releasing blocks the workdir for up to
+  `STALE_SECS` (or delete the lock object).
   """
+
+  HEARTBEAT_SECS = 60.0
+  STALE_SECS = 300.0
+  SETTLE_SECS = 2.0
 
   def __init__(self, workdir: str):
     self.path = os.path.join(workdir, LOCK_FILE)
     self._fd = None
+    self._token = None  # remote: ours, in the lock object
+    self._stop = threading.Event()
+    self._heartbeat = None
     if jax.process_index() != 0:
+      return
+    now = datetime.datetime.now().astimezone().isoformat(timespec='seconds')
+    holder = f'pid {os.getpid()} on host {socket.gethostname()}, started {now}'
+    if files.is_remote(workdir):
+      self._acquire_remote(workdir, holder)
       return
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
@@ -453,20 +488,100 @@ class WorkdirLock:
       if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
         os.close(fd)
         raise
-      holder = os.pread(fd, 1000, 0).decode(errors='replace').strip() or 'a process'
+      found = os.pread(fd, 1000, 0).decode(errors='replace').strip() or 'a process'
       os.close(fd)
-      raise WorkdirBusyError(
-          f'{workdir} is in use by another run ({holder}, lock {self.path}); wait for it to '
-          'end, stop it, or pass another --workdir.'
-      ) from None
-    now = datetime.datetime.now().astimezone().isoformat(timespec='seconds')
+      raise self._busy(workdir, found) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f'pid {os.getpid()} on host {socket.gethostname()}, started {now}\n'.encode(), 0)
+    os.pwrite(fd, f'{holder}\n'.encode(), 0)
     self._fd = fd
 
+  def _busy(self, workdir: str, holder: str) -> WorkdirBusyError:
+    return WorkdirBusyError(
+        f'{workdir} is in use by another run ({holder}, lock {self.path}); wait for it to '
+        'end, stop it, or pass another --workdir.'
+    )
+
+  # ------------------------------------------------------------------------------ remote
+
+  def _read(self) -> dict[str, Any] | None:
+    """The lock object; None if there is none; {} if it is not one of ours (garbage)."""
+    try:
+      record = json.loads(files.read_text(self.path))
+    except FileNotFoundError:
+      return None
+    except (ValueError, UnicodeDecodeError):
+      return {}
+    if not isinstance(record, dict) or not isinstance(record.get('heartbeat'), (int, float)):
+      return {}
+    return record
+
+  def _write(self, holder: str) -> None:
+    record = {'holder': holder, 'token': self._token, 'heartbeat': time.time()}
+    files.write_atomic(self.path, json.dumps(record) + '\n')
+
+  def _acquire_remote(self, workdir: str, holder: str) -> None:
+    found = self._read()
+    if found:
+      age = time.time() - found['heartbeat']
+      if age < self.STALE_SECS:
+        raise self._busy(workdir, self._describe(found, age))
+    if found is not None:
+      what = self._describe(found, age) if found else 'unreadable'
+      print(f'taking over the stale lock {self.path} ({what})', flush=True)
+    self._token = uuid.uuid4().hex
+    self._write(holder)
+    self._after_write()
+    again = self._read()
+    if not again or again.get('token') != self._token:  # another start wrote after us
+      self._token = None
+      age = time.time() - again['heartbeat'] if again else 0.0
+      raise self._busy(workdir, self._describe(again, age) if again else 'another start')
+    self._heartbeat = threading.Thread(
+        target=self._beat, args=(holder,), name='workdir lock heartbeat', daemon=True
+    )
+    self._heartbeat.start()
+
+  def _after_write(self) -> None:
+    """Gives a concurrent start time to write over the lock object (then read back)."""
+    time.sleep(self.SETTLE_SECS)
+
+  def _describe(self, record: dict[str, Any], age: float) -> str:
+    return (
+        f'{record.get("holder", "a process")}; last heartbeat {age:.0f} s ago, taken over '
+        f'after {self.STALE_SECS:.0f} s'
+    )
+
+  def _beat(self, holder: str) -> None:
+    while not self._stop.wait(self.HEARTBEAT_SECS):
+      try:
+        found = self._read()
+        if found is not None and found.get('token') != self._token:
+          logging.warning(
+              'the lock %s was taken over by another run (%s): two runs may now share this '
+              'workdir; stop one of them.',
+              self.path,
+              (found or {}).get('holder', 'unreadable'),
+          )
+          return
+        self._write(holder)
+      except Exception as e:  # pylint: disable=broad-except  (retried at the next beat)
+        logging.warning('the lock heartbeat to %s failed: %s', self.path, _one_line(e))
+
   def release(self) -> None:
-    """Unlocks (the file stays: deleting it would race with a run opening it)."""
+    """Unlocks. Local: the file stays (deleting it would race with a run opening it). Remote:
+    the heartbeat stops and the lock object is deleted if it is still ours."""
     if self._fd is not None:
       fcntl.flock(self._fd, fcntl.LOCK_UN)
       os.close(self._fd)
       self._fd = None
+    if self._token is not None:
+      self._stop.set()
+      if self._heartbeat is not None:
+        self._heartbeat.join()
+      try:
+        found = self._read()
+        if found and found.get('token') == self._token:
+          files.remove(self.path, missing_ok=True)
+      except Exception as e:  # pylint: disable=broad-except  (stale in STALE_SECS anyway)
+        logging.warning('could not delete the lock %s: %s', self.path, _one_line(e))
+      self._token = None

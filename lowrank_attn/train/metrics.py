@@ -10,13 +10,15 @@ with another peak.
 TensorBoard files are written with tensorboard's own `EventFileWriter` (no TensorFlow needed)
 and read back by `tensorboard` or `EventAccumulator`. `<workdir>/metrics.jsonl` has one
 `{"step", "split", ...}` object per line; a resumed run appends, so a reader should keep the
-last line per (split, step).
+last line per (split, step). A remote workdir (gs://) gets both through a local mirror,
+uploaded whole at every flush (`MetricWriter`).
 """
 
 from collections.abc import Mapping
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from typing import Any
@@ -27,10 +29,12 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from lowrank_attn import chips
+from lowrank_attn import chips, files
 
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
+# A remote run's metric files are written in <files.local_dir(workdir)>/metrics_mirror first.
+MIRROR_DIR = 'metrics_mirror'
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
@@ -45,14 +49,37 @@ def flatten(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
 
 
 class MetricWriter:
-  """Scalars to TensorBoard and metrics.jsonl; hyper-parameters once. Process 0 only."""
+  """Scalars to TensorBoard and metrics.jsonl; hyper-parameters once. Process 0 only.
+
+  A remote workdir (gs://: an object cannot be appended to) is written through a local
+  mirror, `files.local_dir(workdir)/metrics_mirror/`: the files are written there as they
+  would be in a local workdir, and every `flush` (after each logged step or evaluation) and
+  `close` uploads each file that grew, whole (metrics.jsonl holds a line per logged step, an
+  events file about as much: small). The mirror starts from the workdir's metrics.jsonl, so
+  a resumed run, on any machine, appends to the history instead of replacing it, and with no
+  TensorBoard file: each process writes an events file of its own, as it does locally, and
+  the earlier ones stay in the workdir as uploaded. A failed upload is reported on stdout and
+  retried at the next flush (training goes on); what a kill takes is what is not yet uploaded,
+  as a local workdir loses what is not yet flushed.
+  """
 
   def __init__(self, workdir: str):
     self.active = jax.process_index() == 0
     if not self.active:
       return
-    self._events = EventFileWriter(os.path.join(workdir, TENSORBOARD_DIR))
-    self._jsonl = open(os.path.join(workdir, METRICS_FILE), 'a')
+    self._workdir = workdir
+    self._remote = files.is_remote(workdir)
+    self._local = workdir
+    self._uploaded: dict[str, int] = {}  # mirror file -> its size at its last upload
+    if self._remote:
+      self._local = os.path.join(files.local_dir(workdir), MIRROR_DIR)
+      shutil.rmtree(self._local, ignore_errors=True)  # a former run's mirror on this machine
+      os.makedirs(self._local)
+      jsonl = os.path.join(self._local, METRICS_FILE)
+      if files.download(os.path.join(workdir, METRICS_FILE), jsonl):
+        self._uploaded[METRICS_FILE] = os.path.getsize(jsonl)
+    self._events = EventFileWriter(os.path.join(self._local, TENSORBOARD_DIR))
+    self._jsonl = open(os.path.join(self._local, METRICS_FILE), 'a')
 
   def write_hparams(self, hparams: Mapping[str, Any]) -> None:
     if not self.active:
@@ -87,12 +114,38 @@ class MetricWriter:
     if self.active:
       self._events.flush()
       self._jsonl.flush()
+      self._upload()
 
   def close(self) -> None:
     if self.active:
       self._events.close()
       self._jsonl.close()
       self.active = False
+      self._upload()
+
+  def _upload(self) -> None:
+    """Remote workdir: every mirror file that changed since its last upload, whole."""
+    if not self._remote:
+      return
+    names = [METRICS_FILE] + [
+        os.path.join(TENSORBOARD_DIR, name)
+        for name in sorted(os.listdir(os.path.join(self._local, TENSORBOARD_DIR)))
+    ]
+    for name in names:
+      local = os.path.join(self._local, name)
+      size = os.path.getsize(local)
+      if self._uploaded.get(name) == size:
+        continue
+      try:
+        files.upload(local, os.path.join(self._workdir, name))
+      except Exception as e:  # pylint: disable=broad-except  (retried at the next flush)
+        reason = (str(e).strip().splitlines() or [''])[0][:200]
+        say(
+            f'uploading {name} to {self._workdir} failed ({type(e).__name__}: {reason}); '
+            f'retried at the next flush (the local copy: {local})'
+        )
+        continue
+      self._uploaded[name] = size
 
 
 class PeakFlops(float):

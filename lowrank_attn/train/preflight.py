@@ -9,13 +9,17 @@ one line naming the setting, its value and what would be valid (the command exit
   - data.name must be a data set the data package can find (not TFDS's 250-name list);
   - every data.extra_test_files file must exist;
   - the mesh must fit the devices (`sharding.mesh_shape`);
-  - the workdir must be a directory, or one that can be made, and writable.
+  - the workdir must be a directory, or one that can be made, and writable; a remote one
+    (gs://...) must be a path epath can write: an object is written there and deleted.
 
 The standard library only at the top: the workdir checks import nothing heavy.
 """
 
 import os
 import tempfile
+import uuid
+
+from lowrank_attn import files
 
 
 class PreflightError(ValueError):
@@ -83,9 +87,10 @@ def check_workdir(workdir: str) -> None:
   """The workdir is a directory or can be made one, and a file can be written in it.
 
   Written, not asked (`os.access`): root passes every permission check, yet not a read-only
-  file system. A remote workdir (gs://...) is not checked here.
+  file system. A remote workdir (gs://...): `check_remote_workdir`.
   """
-  if '://' in workdir:
+  if files.is_remote(workdir):
+    check_remote_workdir(workdir)
     return
   path = os.path.abspath(workdir)
   if os.path.exists(path) and not os.path.isdir(path):
@@ -102,6 +107,35 @@ def check_workdir(workdir: str) -> None:
   except OSError as e:
     where = '' if existing == path else f' (cannot create it in {existing})'
     raise PreflightError(f'--workdir={workdir} is not writable{where}: {e.strerror}.') from None
+
+
+def check_remote_workdir(workdir: str) -> None:
+  """A remote workdir: not an object (a file), and a probe object can be written in it and
+  deleted, through epath as the run will write it. This reaches the bucket: it checks the
+  scheme, that its file system package is installed (gs://: gcsfs, or TensorFlow), the
+  credentials and the write permission. The local checks (a read-only disk, a parent that is
+  a file) do not apply; what is not checked: the space left, or that the bucket is near the
+  slice (cost and speed).
+  """
+  path = files.resolve(workdir)
+  probe = os.path.join(path, f'.write_test_{uuid.uuid4().hex}')
+  try:
+    if files.isfile(path):
+      raise PreflightError(f'--workdir={workdir} is an object (a file), not a directory.')
+    files.write_atomic(probe, b'')
+    files.remove(probe, missing_ok=True)
+  except PreflightError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (any file system's error, one line)
+    reason = (str(e).strip().splitlines() or [''])[0][:300]
+    hint = (
+        ' (gs:// paths need gcsfs: pip install gcsfs)'
+        if isinstance(e, ImportError) or 'gcsfs' in reason
+        else ''
+    )
+    raise PreflightError(
+        f'--workdir={workdir} is not writable: {type(e).__name__}: {reason}{hint}.'
+    ) from None
 
 
 def check_data_name(config, workdir: str) -> None:

@@ -12,6 +12,11 @@ steps the state is saved; during an evaluation (periodic or final) the evaluator
 batches, the state of that step is saved (if it is not already) and the evaluation reruns when
 the run resumes. A run is finished when its final evaluation is recorded
 (`final_eval/<num_train_steps>/metrics.json`); started again, it says so and does nothing.
+
+The workdir may be remote (`gs://BUCKET/run`): every file of it is read and written through
+`lowrank_attn.files` (epath), the metric files through a local mirror (`metrics.MetricWriter`),
+the lock is a heartbeat object (`checkpoints.WorkdirLock`), and what must be on local disk
+(prepared data, encoded rows) goes to a directory of each machine (`files.local_dir`).
 """
 
 import dataclasses
@@ -27,7 +32,7 @@ import ml_collections
 import numpy as np
 
 from lowrank_attn import data as data_lib
-from lowrank_attn import runs, sharding, tasks as tasks_lib
+from lowrank_attn import files, sharding, tasks as tasks_lib
 from lowrank_attn.tasks.base import EvalStopped
 from lowrank_attn.train import checkpoints, config as config_lib, metrics as metrics_lib
 from lowrank_attn.train import state as state_lib
@@ -173,8 +178,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   config_lib.validate(config)
   _initialize_distributed(config)
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  workdir = files.resolve(workdir)  # local: absolute; remote (gs://...): as given
+  files.makedirs(workdir)
   lock = checkpoints.WorkdirLock(workdir)  # before any data work: a second run stops here
   try:
     tensorboard = os.path.join(workdir, metrics_lib.TENSORBOARD_DIR)
@@ -469,16 +474,15 @@ def _eval_recorded(workdir: str, step: int) -> bool:
   found = False
   if jax.process_index() == 0:
     path = os.path.join(workdir, metrics_lib.METRICS_FILE)
-    if os.path.exists(path):
-      with open(path) as f:
-        for line in f:
-          try:
-            record = json.loads(line)
-          except json.JSONDecodeError:  # a line cut by a kill
-            continue
-          if record.get('split') == 'eval' and record.get('step') == step:
-            found = True
-            break
+    if files.exists(path):
+      for line in files.read_text(path).splitlines():
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+          continue
+        if record.get('split') == 'eval' and record.get('step') == step:
+          found = True
+          break
   if jax.process_count() > 1:
     found = bool(multihost_utils.broadcast_one_to_all(np.array(found)))
   return found
@@ -491,9 +495,8 @@ def _recorded_final(workdir: str, step: int, names: list[str]) -> dict[str, dict
   found, complete = {}, False
   if jax.process_index() == 0:
     path = os.path.join(workdir, FINAL_EVAL_DIR, str(step), 'metrics.json')
-    if os.path.exists(path):  # (with no split to evaluate: {}, the mark of a finished run)
-      with open(path) as f:
-        found = json.load(f)
+    if files.exists(path):  # (with no split to evaluate: {}, the mark of a finished run)
+      found = json.loads(files.read_text(path))
       complete = set(names) <= set(found)
   if jax.process_count() > 1:
     complete = bool(multihost_utils.broadcast_one_to_all(np.array(complete)))
@@ -533,9 +536,10 @@ def _evaluate_final(
 
 
 def _write_final(workdir: str, step: int, name: str, text: str) -> None:
-  """`<workdir>/final_eval/<step>/<name>` (process 0; written, then renamed)."""
+  """`<workdir>/final_eval/<step>/<name>` (process 0; written, then renamed; remote: one
+  object write)."""
   if jax.process_index() != 0:
     return
   directory = os.path.join(workdir, FINAL_EVAL_DIR, str(step))
-  os.makedirs(directory, exist_ok=True)
-  runs.write_atomic(os.path.join(directory, name), text)
+  files.makedirs(directory)
+  files.write_atomic(os.path.join(directory, name), text)

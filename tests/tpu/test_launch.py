@@ -238,3 +238,29 @@ def test_the_checked_command_is_the_one_the_workers_run(no_commands, monkeypatch
       '--config.mesh.fsdp=4 --verbosity=1 --config.jax_distributed=True '
       '>> ~/lowrank_attn_run.log 2>&1 < /dev/null &'
   )
+
+
+def test_watch_stops_at_the_latest_attempts_finished_line():
+  """The run's last line is `finished at step N` (or `already finished ...` on a start after the
+  end); `done:` comes before the final evaluation's lines. An earlier attempt's lines do not
+  count."""
+  args = launch.parse_args(['logs', '--name=run1', '--zone=us-west4-a'])
+
+  def log(*lines):
+    return lambda argv, check, capture: '\n'.join(lines) + '\n'
+
+  finished = [
+      '=== launch 2026-01-01T00:00:00Z',
+      'step 100/100  loss 1.2',
+      'done: 3.10 steps/s, 1,234 GFLOP/s (evaluation and checkpointing excluded)',
+      'final validation at step 100: loss 1.5  bleu 20.1',
+      'final test at step 100: loss 1.6  bleu 19.8',
+      'sacreBLEU signature: nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.5.1',
+      'finished at step 100: outputs in gs://bkt/r; TensorBoard: tensorboard --logdir gs://bkt/r/tensorboard',
+  ]
+  assert launch.finished(log(*finished), args)
+  assert launch.finished(
+      log('=== launch 2026-01-02T00:00:00Z', 'already finished at step 100: nothing to do'), args
+  )
+  assert not launch.finished(log(*finished, '=== launch 2026-01-02T00:00:00Z', 'step 1/100'), args)
+  assert not launch.finished(log(*finished[:3]), args)  # `done:` alone: the final evaluation runs
