@@ -371,8 +371,9 @@ class PreemptionWatcher:
   the same calls in the same order (the steps, then each evaluation's batches), so the counter
   names the same safe point on every host, and an evaluation stops at the same batch on every
   host. Once the sync point is reached, every later call answers True without asking again
-  (JAX's answers True only at the sync point itself). Only SIGTERM is caught there (no handler
-  is installed for SIGINT).
+  (JAX's answers True only at the sync point itself). Ctrl-C on a host is passed on as a
+  SIGTERM to its own process, so that JAX's service stops every host at one safe point too
+  (exit 143 there); a second Ctrl-C exits that process at once.
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -383,9 +384,28 @@ class PreemptionWatcher:
     self._multihost = jax.process_count() > 1
     self._safe_points = 0  # multi-host: the calls of `reached` and `requested` so far
     self._synced = False  # multi-host: the preemption sync point was reached
-    if not self._multihost and threading.current_thread() is threading.main_thread():
+    self._interrupted = False  # multi-host: a Ctrl-C was passed on as SIGTERM
+    if threading.current_thread() is not threading.main_thread():
+      return
+    if not self._multihost:
       for signum in self.SIGNALS:
         self._previous[signum] = signal.signal(signum, self._handle)
+    else:  # JAX's preemption service holds SIGTERM; only Ctrl-C is ours
+      self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt_as_sigterm)
+
+  def _interrupt_as_sigterm(self, signum, frame):
+    """Multi-host Ctrl-C: a SIGTERM to this process, which JAX's preemption service turns into
+    a stop of every host at one safe point."""
+    del frame
+    if self._interrupted:
+      print('SIGINT again: exiting now, without saving.', file=sys.stderr, flush=True)
+      os._exit(128 + signum)  # pylint: disable=protected-access
+    self._interrupted = True
+    logging.warning(
+        'SIGINT received: passed on to the preemption service as SIGTERM: every host saves at '
+        'the next safe point, then exits. Send it again to exit at once.'
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
 
   def _handle(self, signum, frame):
     del frame

@@ -179,9 +179,9 @@ class TwoHosts:
       p.kill()
       p.wait()
 
-  def sigterm_when_held(self, targets) -> tuple[list[int], list[float]]:
-    """SIGTERM to the processes `targets` once both are held; NOTICE_SECS later, lets them go
-    on. (exit statuses, seconds from the signal to each exit)."""
+  def sigterm_when_held(self, targets, signum=signal.SIGTERM) -> tuple[list[int], list[float]]:
+    """SIGTERM (or `signum`) to the processes `targets` once both are held; NOTICE_SECS later,
+    lets them go on. (exit statuses, seconds from the signal to each exit)."""
     try:
       self.wait_held()
     except BaseException:
@@ -189,7 +189,7 @@ class TwoHosts:
       raise
     signalled = time.monotonic()
     for i in targets:
-      self.processes[i].send_signal(signal.SIGTERM)
+      self.processes[i].send_signal(signum)
     time.sleep(NOTICE_SECS)
     statuses = self.finish()
     return statuses, [exited - signalled for exited in self.exited]
@@ -281,14 +281,20 @@ def test_two_hosts_sigterm_in_an_evaluation_stops_it_and_the_next_start_reruns_i
 
 
 @pytest.mark.slow
-def test_two_hosts_sigterm_in_a_training_step_saves_the_next_step(helpers, tfds_dir, tmp_path):
+@pytest.mark.parametrize(
+    'signum, target', [(signal.SIGTERM, 0), (signal.SIGINT, 1)], ids=['sigterm', 'ctrl-c']
+)
+def test_two_hosts_sigterm_in_a_training_step_saves_the_next_step(
+    helpers, tfds_dir, tmp_path, signum, target
+):
   """Two processes held in the training step that makes step 4; SIGTERM to process 0 only (the
-  coordinator's host): both stop before the next step, commit step 4 and exit 143. A plain
-  start resumes from step 4 and finishes the run (exit 0). (The hold: see the test above.)"""
+  coordinator's host), or Ctrl-C (SIGINT) to process 1 only (passed on as SIGTERM): both stop
+  before the next step, commit step 4 and exit 143. A plain start resumes from step 4 and
+  finishes the run (exit 0). (The hold: see the test above.)"""
   workdir = tmp_path / 'run'
   prepare(helpers, workdir, tfds_dir)
   run = TwoHosts(helpers, workdir, tfds_dir, 'train', 4)
-  statuses, elapsed = run.sigterm_when_held((0,))
+  statuses, elapsed = run.sigterm_when_held((target,), signum)
   outputs = run.outputs()
   assert statuses == [143, 143], outputs
   for out in outputs:
