@@ -205,6 +205,35 @@ def test_length_penalty_ranks_finished_hypotheses_of_different_lengths():
   assert len(chosen) >= 5  # the grid saw several winners per sentence
 
 
+def test_beam_search_keeps_a_live_hypothesis_the_length_penalty_can_still_lift():
+  """Stopping rule (Wu et al. 2016): a live hypothesis is dropped only when even at max_length
+  its score could not beat the best finished one. Here 'EOS' at once has log p -0.3 (score
+  -0.3), the live 'a' has -1.35 after one step but finishes at length 12 with -1.36 almost for
+  free: at alpha 2 its score -1.36 / (17/6)^2 = -0.17 wins, which a bound taken at the current
+  length (-1.35 / 1) would never let the search reach."""
+  length, k = 12, 2
+  stop = np.stack([_stop_table({0: -0.3, length - 1: -1.36}, length)] * 2)
+
+  def step(cache, tokens, position):
+    p = jnp.asarray(stop, jnp.float32)[cache['row'], position]
+    neg = jnp.full_like(p, -jnp.inf)
+    return jnp.stack([neg, neg, jnp.log(p), jnp.log1p(-p)], axis=-1), cache
+
+  def search(alpha):
+    return np.asarray(
+        decode._beam_search(step, {'row': jnp.arange(2 * k) // k}, 2, k, BOS, EOS, length, alpha)
+    )
+
+  for alpha, j in ((2.0, length - 1), (1.0, 0)):  # long wins at 2, short at 1 (-0.48 < -0.3)
+    scores = [
+        (np.sum(np.log1p(-stop[0, :i])) + np.log(stop[0, i])) / ((5.0 + i + 1) / 6.0) ** alpha
+        for i in range(length)
+    ]
+    assert int(np.argmax(scores)) == j
+    want = [3] * j + [EOS] + [0] * (length - j - 1)
+    assert search(alpha)[0].tolist() == want, alpha
+
+
 def test_bleu_is_cased_and_13a_tokenised_by_hand():
   """Papineni et al. (2002) on one sentence: 13a splits the final '.', so 'The cat sat on
   the mat.' is 7 tokens; against a reference differing only in the case of the first word,
