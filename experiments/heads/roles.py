@@ -1,16 +1,29 @@
-"""Head roles of an encoder on a UD treebank: positional, syntactic, rare-word, confidence.
+"""Head roles of an encoder on a parsed corpus: positional, syntactic, rare-word, confidence.
 
-    python -m experiments.heads.roles --model=minilm|DIR --conllu=FILE[,FILE] --out=DIR
+    python -m experiments.heads.roles --model=minilm|DIR [--corpus=ud|multi30k]
+        [--conllu=FILE[,FILE]] [--compare=DIR] --out=DIR
+    python -m experiments.heads.roles --compare=DIR --out=DIR   (compare only)
+    python -m experiments.heads.roles --readme=experiments/heads/README.md   (table only)
 
 --model: 'minilm' (the pretrained all-MiniLM-L6-v2, installed as a package) or a translation
-run directory (its encoder). --conllu defaults to UD English-EWT dev and test from the data
-directory ($LOWRANK_ATTN_DATA, or downloaded). Writes to --out:
+run directory (its encoder). --corpus=ud (default): --conllu files, by default UD English-EWT
+dev and test from the data directory ($LOWRANK_ATTN_DATA, or downloaded), gold trees.
+--corpus=multi30k: the English side of Multi30k (validation and test_2016_flickr, 2,014
+sentences) parsed by spaCy into `<out>/multi30k.conllu` on every run (`experiments.heads.parse`:
+deterministic for a model version, which summary.json records, with the label conversion).
+Writes to --out:
   roles.json       one object per layer and head: layer, head, confidence, positional
                    ({"prev", "next"}), syntactic ({"<relation> <direction>": accuracy}), rare,
                    and roles (the labels of `lowrank_attn.analysis.classify`)
   baselines.json   per relation and direction: the best fixed offset and its accuracy
-  summary.json     sentences used and skipped, the word-count corpus, the thresholds
+  summary.json     corpus, sentences used and skipped, the word-count corpus, the thresholds
+                   (multi30k: the parse's file, sha256, parser versions, conversion counts)
   roles_<role>.png a layer x head heat map per role (positional, syntactic, rare, confidence)
+  comparison.json  with --compare=DIR: heads of each kind of role here and in DIR/roles.json
+                   (the same model on another corpus), and the heads that keep their role
+                   (`compare_roles`)
+--readme=FILE rewrites the block between `<!-- roles-corpora -->` and `<!-- /roles-corpora -->`
+of FILE with a table of every `comparison.json` under `experiments/heads/roles/`.
 Definitions and thresholds: `lowrank_attn/analysis/roles.py`. Word counts for rare words:
 the English side of the Multi30k training set (both models; MiniLM's own corpus is not
 available), lowercased.
@@ -20,6 +33,7 @@ import argparse
 import gzip
 import json
 import pathlib
+import re
 import tempfile
 
 import numpy as np
@@ -131,26 +145,196 @@ def heat_maps(entries: list[dict], baselines: dict, out: pathlib.Path) -> list[s
   return written
 
 
+ROLE_KINDS = ('positional', 'syntactic', 'rare')
+ROLES_DIR = pathlib.Path(__file__).resolve().parent / 'roles'
+CORPUS_SHORT = {'ud': 'UD English-EWT', 'multi30k': 'Multi30k'}
+CORPUS_NAMES = {
+    'ud': 'UD English-EWT dev+test (gold trees)',
+    'multi30k': 'Multi30k English val+test_2016_flickr (spaCy parse)',
+}
+
+
+def role_kinds(labels) -> set[str]:
+  """{'positional', 'syntactic', 'rare'} of a head's labels ('syntactic (nsubj ...)', ...)."""
+  return {label.split(' ')[0] for label in labels}
+
+
+def compare_roles(first: list[dict], second: list[dict]) -> dict:
+  """Heads of each kind of role in two roles.json of one model (two corpora), and the heads
+  that keep it: `any` counts heads with some role, `kept[kind]` heads with that kind in both,
+  `kept['any']` heads with a role in both, `kept['same_labels']` heads whose labels are the
+  same non-empty list in both."""
+  key = lambda e: (e['layer'], e['head'])
+  a, b = {key(e): e['roles'] for e in first}, {key(e): e['roles'] for e in second}
+  if a.keys() != b.keys():
+    raise ValueError('the two roles.json have different heads: not the same model?')
+
+  def counts(table):
+    return {
+        'any': sum(1 for labels in table.values() if labels),
+        **{k: sum(1 for labels in table.values() if k in role_kinds(labels)) for k in ROLE_KINDS},
+    }
+
+  kept = {
+      'any': sum(1 for h in a if a[h] and b[h]),
+      **{k: sum(1 for h in a if k in role_kinds(a[h]) & role_kinds(b[h])) for k in ROLE_KINDS},
+      'same_labels': sum(1 for h in a if a[h] and a[h] == b[h]),
+  }
+  heads = [
+      {'layer': h[0], 'head': h[1], 'first': a[h], 'second': b[h]}
+      for h in sorted(a)
+      if a[h] or b[h]
+  ]
+  return {
+      'heads': len(a),
+      'counts': {'first': counts(a), 'second': counts(b)},
+      'kept': kept,
+      'heads_with_a_role': heads,
+  }
+
+
+def _describe(directory: pathlib.Path) -> dict:
+  summary = json.loads((directory / 'summary.json').read_text())
+  corpus = summary.get('corpus', 'ud')  # summaries before --corpus are UD runs
+  return {
+      'dir': _relative(directory),
+      'model': summary['model'],
+      'corpus': corpus,
+      'corpus_name': CORPUS_NAMES.get(corpus, corpus),
+      'sentences': summary['sentences'],
+  }
+
+
+def _relative(path: pathlib.Path) -> str:
+  path = path.resolve()
+  root = ROLES_DIR.parents[2]  # the repository
+  return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
+def write_comparison(first_dir: pathlib.Path, second_dir: pathlib.Path) -> dict:
+  """`second_dir/comparison.json`: `compare_roles` of first_dir's and second_dir's roles."""
+  roles = lambda d: json.loads((d / 'roles.json').read_text())
+  comparison = {
+      'first': _describe(first_dir),
+      'second': _describe(second_dir),
+      **compare_roles(roles(first_dir), roles(second_dir)),
+  }
+  if comparison['first']['model'] != comparison['second']['model']:
+    raise ValueError(f"different models: {comparison['first']} vs {comparison['second']}")
+  (second_dir / 'comparison.json').write_text(json.dumps(comparison, indent=1) + '\n')
+  return comparison
+
+
+def comparison_table(comparisons: list[dict]) -> str:
+  """A markdown table of `write_comparison` results: role counts per corpus, heads kept."""
+  rows = [
+      '| model | corpus | sentences | heads with a role | positional | syntactic | rare |',
+      '|---|---|---|---|---|---|---|',
+  ]
+  kept_rows = [
+      '| model | heads with a role on both | positional on both | syntactic on both | rare on '
+      'both | same labels |',
+      '|---|---|---|---|---|---|',
+  ]
+  for c in comparisons:
+    model = 'all-MiniLM-L6-v2' if c['first']['model'] == 'minilm' else c['first']['model']
+    for side in ('first', 'second'):
+      n = c['counts'][side]
+      rows.append(
+          f"| {model} | {c[side]['corpus_name']} (`{c[side]['dir']}`) | {c[side]['sentences']} "
+          f"| {n['any']} of {c['heads']} | {n['positional']} | {n['syntactic']} | {n['rare']} |"
+      )
+    k = c['kept']
+    kept_rows.append(
+        f"| {model} | {k['any']} | {k['positional']} | {k['syntactic']} | {k['rare']} "
+        f"| {k['same_labels']} |"
+    )
+  sentences = [comparison_sentence(c) for c in comparisons]
+  return '\n'.join(rows) + '\n\n' + '\n'.join(kept_rows) + '\n\n' + '\n\n'.join(sentences)
+
+
+def comparison_sentence(c: dict) -> str:
+  """The heads kept, in words, from a `write_comparison` result."""
+  model = 'all-MiniLM-L6-v2' if c['first']['model'] == 'minilm' else c['first']['model']
+  first, second = (CORPUS_SHORT.get(c[s]['corpus'], c[s]['corpus']) for s in ('first', 'second'))
+  n, m, k = c['counts']['first'], c['counts']['second'], c['kept']
+  return (
+      f"{model}: {k['any']} of its {n['any']} heads with a role on {first} have one on {second} "
+      f"too ({k['positional']} of {n['positional']} positional, {k['syntactic']} of "
+      f"{n['syntactic']} syntactic and {k['rare']} of {n['rare']} rare-word heads keep that kind "
+      f"of role; {k['same_labels']} keep exactly the same labels), and {m['any'] - k['any']} "
+      f'heads have a role only on {second}.'
+  )
+
+
+def update_readme(readme: pathlib.Path, roles_dir: pathlib.Path = ROLES_DIR) -> str:
+  """Rewrites the `roles-corpora` block of `readme` from every comparison.json there."""
+  comparisons = [json.loads(p.read_text()) for p in sorted(roles_dir.glob('*/comparison.json'))]
+  table = comparison_table(comparisons) if comparisons else 'No comparison yet.'
+  text = readme.read_text()
+  block = re.compile(r'(<!-- roles-corpora -->\n).*?(<!-- /roles-corpora -->)', re.DOTALL)
+  if not block.search(text):
+    raise ValueError(f'{readme} has no <!-- roles-corpora --> ... <!-- /roles-corpora --> block')
+  readme.write_text(block.sub(lambda m: m[1] + table + '\n' + m[2], text, count=1))
+  return table
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  parser.add_argument('--model', required=True, help="'minilm' or a translation run directory")
+  parser.add_argument('--model', help="'minilm' or a translation run directory")
+  parser.add_argument(
+      '--corpus',
+      choices=('ud', 'multi30k'),
+      default='ud',
+      help='ud: --conllu files (gold trees); multi30k: Multi30k English parsed by spaCy',
+  )
   parser.add_argument(
       '--conllu',
       default=None,
-      help='CoNLL-U files, comma-separated (default: UD English-EWT dev,test)',
+      help='--corpus=ud: CoNLL-U files, comma-separated (default: UD English-EWT dev,test)',
   )
-  parser.add_argument('--out', required=True, help='output directory')
+  parser.add_argument('--out', help='output directory')
+  parser.add_argument(
+      '--compare',
+      default=None,
+      help='a roles output directory of the same model (another corpus): write comparison.json',
+  )
+  parser.add_argument('--readme', default=None, help='rewrite its roles-corpora table')
   parser.add_argument('--max_sentences', type=int, default=0, help='0: all')
   parser.add_argument('--batch_size', type=int, default=32)
   args = parser.parse_args(argv)
+  if args.corpus == 'multi30k' and args.conllu:
+    parser.error('--conllu is for --corpus=ud; --corpus=multi30k parses its own file')
+  if (args.model or args.compare) and not args.out:
+    parser.error('--out is needed with --model or --compare')
+  if not (args.model or args.compare or args.readme):
+    parser.error('nothing to do: give --model, --compare or --readme')
 
-  paths = (
-      args.conllu.split(',')
-      if args.conllu
-      else [str(raw_file(f'ud_english_ewt/en_ewt-ud-{s}.conllu')) for s in ('dev', 'test')]
-  )
+  result = measure(args) if args.model else None
+  if args.compare:
+    comparison = write_comparison(pathlib.Path(args.compare), pathlib.Path(args.out))
+    print(f"comparison: {json.dumps({k: comparison[k] for k in ('counts', 'kept')})}")
+  if args.readme:
+    print(update_readme(pathlib.Path(args.readme)))
+  return result
+
+
+def measure(args):
+  """Measures the roles of --model on --corpus into --out."""
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  parse_summary = None
+  if args.corpus == 'multi30k':
+    from experiments.heads import parse  # pylint: disable=g-import-not-at-top
+
+    parse_summary = parse.write_multi30k(out / 'multi30k.conllu')
+    paths = [parse_summary['file']]
+  elif args.conllu:
+    paths = args.conllu.split(',')
+  else:
+    paths = [str(raw_file(f'ud_english_ewt/en_ewt-ud-{s}.conllu')) for s in ('dev', 'test')]
   sentences = analysis.read_treebank(paths)
   if args.max_sentences:
     sentences = sentences[: args.max_sentences]
@@ -161,12 +345,11 @@ def main(argv=None):
   for entry in result['heads']:
     entry['roles'] = analysis.classify(entry, result['baselines'])
 
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
   (out / 'roles.json').write_text(json.dumps(result['heads'], indent=1))
   (out / 'baselines.json').write_text(json.dumps(result['baselines'], indent=1))
   summary = {
       'model': args.model,
+      'corpus': args.corpus,
       'conllu': paths,
       'sentences': result['sentences'],
       'skipped': result['skipped'],
@@ -178,6 +361,9 @@ def main(argv=None):
           'rare_margin_over_uniform': roles_lib.RARE_MARGIN,
       },
   }
+  if parse_summary:
+    summary['conllu'] = [_relative(pathlib.Path(p)) for p in paths]
+    summary['parse'] = {**parse_summary, 'file': _relative(pathlib.Path(parse_summary['file']))}
   summary['plots'] = heat_maps(result['heads'], result['baselines'], out)
   (out / 'summary.json').write_text(json.dumps(summary, indent=1))
   labelled = [e for e in result['heads'] if e['roles']]
