@@ -18,7 +18,10 @@ checkpoints in its workdir, so an interrupted training run continues where it st
 Each attempt records the code it ran (`code`: the commit of the commands' checkout and the
 tracked Python files modified in it), because a command imports the code anew at every (re)start: a
 grid run from a tree someone is editing says so in its log, its attempts and its DONE entry.
-Run long grids from a checkout nobody edits (`git worktree add ../exp HEAD`).
+Run long grids from a checkout nobody edits (`git worktree add ../exp HEAD`), with `python -m`
+from its root: a script run by its path (`tpu/compile.py`, `benchmarks/*.py`) imports the package
+from where the venv's editable install points (the main checkout) unless `PYTHONPATH` names
+the worktree.
 
 `python -m experiments.runner status RUNS_DIR` lists the state of each run directory.
 
