@@ -219,6 +219,19 @@ def read_lines(path) -> list[str]:
     return [line.rstrip('\n') for line in f]
 
 
+def checked_translations(row: dict, split: str, references, translations: pathlib.Path):
+  """A run's kept translations of `split`, refused unless their corpus BLEU against the
+  references is the one its final evaluation recorded (else the two are not in one order)."""
+  hypotheses = read_lines(translations / row['name'] / f'{split}.txt')
+  recomputed = stats.corpus_bleu(references, hypotheses)
+  if abs(recomputed - row[f'bleu_{split}']) > 0.01:
+    raise ValueError(
+        f'{row["name"]}: {split} BLEU {recomputed:.2f} from the kept translations, '
+        f'{row[f"bleu_{split}"]:.2f} recorded: references and translations disagree'
+    )
+  return hypotheses
+
+
 def intervals(rows, emb_dim: int, translations: pathlib.Path) -> list[dict]:
   """Paired bootstrap of BLEU(kind) - BLEU(concat) per split, at each key width and budget
   where both have kept translations of the same seeds (seeds averaged on each resample); the
@@ -241,15 +254,7 @@ def intervals(rows, emb_dim: int, translations: pathlib.Path) -> list[dict]:
       systems = []
       for group in (theirs, ours):
         runs = sorted((r for r in group if r['seed'] in seeds), key=lambda r: r['seed'])
-        hypotheses = [read_lines(translations / r['name'] / f'{split}.txt') for r in runs]
-        for r, hyp in zip(runs, hypotheses):
-          recomputed = stats.corpus_bleu(refs, hyp)
-          if abs(recomputed - r[f'bleu_{split}']) > 0.01:
-            raise ValueError(
-                f'{r["name"]}: {split} BLEU {recomputed:.2f} from the kept translations, '
-                f'{r[f"bleu_{split}"]:.2f} recorded: references and translations disagree'
-            )
-        systems.append(hypotheses)
+        systems.append([checked_translations(r, split, refs, translations) for r in runs])
       entry[split] = stats.bleu_difference(refs, *systems).as_dict()
     out.append(entry)
   return out

@@ -796,28 +796,12 @@ def comparison_pairs(rows: list[dict]) -> list[dict]:
   return pairs
 
 
-def checked_translations(row: dict, split: str, references, translations: pathlib.Path):
-  """A run's kept translations of `split`, refused unless their corpus BLEU against the
-  references is the one its final evaluation recorded (else the two are not in one order)."""
-  from experiments import stats  # pylint: disable=g-import-not-at-top
-  from experiments.collaborative.from_scratch import read_lines  # pylint: disable=g-import-not-at-top
-
-  hypotheses = read_lines(translations / row['name'] / f'{split}.txt')
-  recomputed = stats.corpus_bleu(references, hypotheses)
-  if abs(recomputed - row[f'bleu_{split}']) > 0.01:
-    raise ValueError(
-        f'{row["name"]}: {split} BLEU {recomputed:.2f} from the kept translations, '
-        f'{row[f"bleu_{split}"]:.2f} recorded: references and translations disagree'
-    )
-  return hypotheses
-
-
 def bleu_intervals(pairs, rows, translations: pathlib.Path) -> list[dict]:
   """Each pair's B - A in BLEU on validation and test, with its 95% paired bootstrap interval
   over sentences (`experiments.stats.bleu_difference`, seeds averaged on each resample), from
   the kept translations; pairs with a run whose translations were not kept are left out."""
   from experiments import stats  # pylint: disable=g-import-not-at-top
-  from experiments.collaborative.from_scratch import REFERENCES, read_lines  # pylint: disable=g-import-not-at-top
+  from experiments.collaborative.from_scratch import REFERENCES, checked_translations, read_lines  # pylint: disable=g-import-not-at-top
   from experiments.heads.roles import raw_file  # pylint: disable=g-import-not-at-top
 
   by_name = {r['name']: r for r in rows}

@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from experiments import runner
+from experiments.collaborative import from_scratch
 from experiments.heads import run
 
 BASE = run.Base(
@@ -317,6 +318,8 @@ def test_kept_translations_must_score_what_was_recorded(tmp_path):
 
   bleu = stats.corpus_bleu(references, ['ein Hund läuft im Park .', 'zwei Kinder spielen .'])
   good = {'name': 'x', 'bleu_test': bleu}
-  assert len(run.checked_translations(good, 'test', references, tmp_path)) == 2
+  assert len(from_scratch.checked_translations(good, 'test', references, tmp_path)) == 2
   with pytest.raises(ValueError, match='disagree'):
-    run.checked_translations({**good, 'bleu_test': bleu + 0.5}, 'test', references, tmp_path)
+    from_scratch.checked_translations(
+        {**good, 'bleu_test': bleu + 0.5}, 'test', references, tmp_path
+    )
