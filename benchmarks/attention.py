@@ -26,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -232,7 +233,7 @@ def causal_flops(spec, batch, length):
 def bench_long(length, args, dtype):
   batch, D, h = args.long_batch, args.long_dim, args.long_heads
   x = jax.random.normal(jax.random.key(1), (batch, length, D), dtype)
-  programs, specs = {}, {}
+  programs, specs, failed = {}, {}, {}
   programs['flax.nnx'] = compile_flax(
       nnx.MultiHeadAttention(h, D, decode=False, dtype=dtype, rngs=nnx.Rngs(0)), x
   )
@@ -250,12 +251,19 @@ def bench_long(length, args, dtype):
     implementation = options.pop('implementation', 'blockwise')
     layer = MultiHeadAttention(h, D, dtype=dtype, rngs=nnx.Rngs(0), **options)
     specs[label] = layer.spec
-    programs[label] = compile_kernel(layer, x, implementation, args.block_size)
+    try:  # one kernel that fails to compile or run costs its row, not the table
+      programs[label] = compile_kernel(layer, x, implementation, args.block_size)
+    except Exception as error:  # pylint: disable=broad-except
+      failed[label] = report_failure(label, length, error)
   runnable = {
       label: fn for label, (fn, temp) in programs.items() if temp <= args.max_temp_gb * 2**30
   }
-  for fn in runnable.values():
-    jax.block_until_ready(fn())  # warm up
+  for label, fn in list(runnable.items()):
+    try:
+      jax.block_until_ready(fn())  # warm up
+    except Exception as error:  # pylint: disable=broad-except
+      failed[label] = report_failure(label, length, error)
+      del runnable[label]
   times = {label: [] for label in runnable}
   for _ in range(args.repeats):  # interleaved, so drifting background load hits all alike
     for label, fn in runnable.items():
@@ -283,7 +291,27 @@ def bench_long(length, args, dtype):
           vs_concat=t / median['concat'],
       )
     rows.append(row)
+  for label, message in failed.items():
+    rows.append(
+        dict(
+            label=label,
+            temp_mb=None,
+            train_ms=None,
+            vs_flax=None,
+            vs_concat=None,
+            flop_ratio=None,
+            gflops=None,
+            failed=message,
+        )
+    )
   return rows
+
+
+def report_failure(label, length, error) -> str:
+  """Prints the traceback to stderr; returns the row's note ('failed: <error type>')."""
+  print(f'{label} at L = {length} failed:', file=sys.stderr)
+  traceback.print_exception(error, file=sys.stderr)
+  return f'failed: {type(error).__name__}'
 
 
 def main_long(args, dtype):
@@ -299,7 +327,8 @@ def main_long(args, dtype):
       f'(memory_analysis); programs above {args.max_temp_gb} GB are not run. FLOPs / concat '
       'counts only visible (causal) token pairs; GFLOP/s = 3 x forward matmul FLOPs / time.',
       f'Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
-      f'devices {jax.devices()}; jax {jax.__version__}, flax {flax.__version__}.',
+      f'devices {jax.devices()} ({jax.devices()[0].device_kind}); jax {jax.__version__}, '
+      f'flax {flax.__version__}.',
       'Command: ' + ' '.join([os.path.basename(sys.executable), *sys.argv]),
       '',
       '| length | layer | fwd+bwd ms | / flax | / concat | FLOPs / concat | temp MB | GFLOP/s |',
@@ -309,9 +338,10 @@ def main_long(args, dtype):
   for length in args.lengths:
     for row in bench_long(length, args, dtype):
       line = (
-          f"| {length} | {row['label']} | {fmt(row['train_ms'], '.0f') or 'not run'} | "
+          f"| {length} | {row['label']} | "
+          f"{row.get('failed') or fmt(row['train_ms'], '.0f') or 'not run'} | "
           f"{fmt(row['vs_flax'], '.2f')} | {fmt(row['vs_concat'], '.2f')} | "
-          f"{fmt(row['flop_ratio'], '.2f')} | {row['temp_mb']:.0f} | "
+          f"{fmt(row['flop_ratio'], '.2f')} | {fmt(row['temp_mb'], '.0f')} | "
           f"{fmt(row['gflops'], '.0f')} |"
       )
       lines.append(line)
@@ -369,7 +399,8 @@ def main(argv=None):
       f'Attention layers, causal self-attention, {args.dtype}, {args.clock} time, median of '
       f'{args.repeats} interleaved repetitions.',
       f'Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
-      f'devices {jax.devices()}; jax {jax.__version__}, flax {flax.__version__}.',
+      f'devices {jax.devices()} ({jax.devices()[0].device_kind}); jax {jax.__version__}, '
+      f'flax {flax.__version__}.',
       'Command: ' + ' '.join([os.path.basename(sys.executable), *sys.argv]),
       '',
       '| batch, length, D, heads | layer | forward ms | fwd / flax | fwd+bwd ms | fwd+bwd / flax '

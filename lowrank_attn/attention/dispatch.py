@@ -38,9 +38,9 @@ How each kind becomes attention over `query [.., q, heads, dk]`, `key [.., kv, k
     head's own logits, while talking heads mixes every head's logits before the softmax and
     every head's weights after it, so a kernel would need all heads' blocks at once and the
     post-softmax mix needs each head's final normaliser (the two-pass scheme of
-    `blockwise.py`). Its cost, measured on an H100 (benchmarks/results/attention_long_gpu.md,
-    bfloat16, L = 4096, forward+backward): blockwise talking heads 131 ms, 2.84x blockwise
-    concat (46 ms), 7.1x flax's materialising layer (18 ms), ~60x concat through cuDNN (2 ms).
+    `blockwise.py`). Its cost, measured on an H200 (benchmarks/results/attention_long_gpu.md,
+    bfloat16, L = 4096, forward+backward): blockwise talking heads 125 ms, 2.87x blockwise
+    concat (44 ms), 7.5x flax's materialising layer (17 ms), 51x concat through cuDNN.
 
 Masks: a boolean mask broadcastable to `[batch..., heads, q, kv]`; pass `is_causal=True` rather
 than a causal mask (the kernels build it per block). Segment ids (query, key; 0 = padding) stand
@@ -65,13 +65,17 @@ the first candidate that `check_implementation` accepts for the call computes it
 
 What no fused kernel computes (talking_heads, attention dropout, a boolean mask for 'splash' or
 'pallas', which take segment ids) falls to rows 3-4. Why these rows:
-- Fused before 'xla' on GPU: on an H100 (benchmarks/results/attention_long_gpu.md, bfloat16,
-  causal fwd+bwd) cuDNN took 0.65-0.14x the time of 'xla' at L = 512-4096. Below 512 keys and
-  for 'pallas' and 'splash': not measured; FUSED_MIN_LENGTH = 128 is one splash block (shorter
-  rows are mostly padding there) and two of 'pallas'' 64-key blocks: below it a fused kernel has
-  next to nothing to tile.
-- 'xla' before 'blockwise' off CPU: on the H100 'xla' was 2.5x faster than 'blockwise' at every
-  length it fit (512-4096), so 'blockwise' is only for memory.
+- Fused before 'xla' on GPU: on an H200 (benchmarks/results/attention_long_gpu.md, bfloat16,
+  causal fwd+bwd, D = 512, 8 heads) cuDNN took 0.69-0.13x the time of 'xla' at L = 512-4096 and
+  'pallas' 0.63-0.17x (0.65-0.14x for cuDNN on an H100, attention_long_h100.md). 'cudnn' before
+  'pallas': from L = 1024 cuDNN took 0.85-0.64x of 'pallas'' time for concat and 0.67-0.61x for
+  collaborative at D~k = D/4; at L = 512 (about 1 ms a call) 'pallas' was 10% faster for both,
+  one run of 5 repetitions, too little to reorder the table on. Below 512 keys and for
+  'splash': not measured; FUSED_MIN_LENGTH = 128 is one splash block (shorter rows are mostly
+  padding there) and two of 'pallas'' 64-key blocks: below it a fused kernel has next to
+  nothing to tile.
+- 'xla' before 'blockwise' off CPU: on the H200 'xla' was 2.2-2.6x faster than 'blockwise' at
+  every length it fit (512-4096), so 'blockwise' is only for memory.
 - CPU: 'blockwise' was 1.5x faster than 'xla' at L = 512 and 2.3x at 4096 on 2 x86 cores
   (benchmarks/results/attention_long.md); at the 128-256 rows of our CPU configs 'xla' stays
   (their losses are bitwise those of implementation='xla').

@@ -6,7 +6,7 @@ Both take `query [batch..., q, heads, dk]` (already scaled), `key [batch..., kv,
 dk]`, `value [batch..., kv, value_heads, dv]` as `dispatch.attend` builds them and return
 `[batch..., q, heads, dv]`; a query that sees no key outputs 0, as every implementation does.
 
-'cudnn' has run on an H100 (`tests/gpu`, `make test-gpu`); on CPU the tests run this wrapper
+'cudnn' has run on an H100 and an H200 (`tests/gpu`, `make test-gpu`); on CPU the tests run this wrapper
 with jax's XLA implementation standing in for cuDNN. 'splash' has not run on a TPU: the tests
 run its kernel in Pallas' CPU interpreter (alone and inside every model, with segment ids),
 and `tpu/compile.py` compiles the train steps with it for TPU slices (tpu/README.md).
