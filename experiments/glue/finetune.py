@@ -73,6 +73,10 @@ def report(results, args) -> None:
     return
   rows.sort(key=lambda r: (TASKS.index(r['task']), r['seed']))
   metric = lambda r: ', '.join(f'{name} {r[name]:.2f}' for name in METRICS[r['task']])
+  # All attempts of a run stopped and resumed across sessions, and how many there were.
+  minutes = lambda r: f"{r['wall_time_total_s'] / 60:.0f}" + (
+      f" ({r['attempts']})" if r['attempts'] > 1 else ''
+  )
   table = runner.markdown_table(
       rows,
       [
@@ -82,7 +86,7 @@ def report(results, args) -> None:
           ('dev metrics (x100)', metric),
           ('score', lambda r: f"{r['score']:.2f}"),
           ('steps', lambda r: f"{r['step']:,}"),
-          ('minutes', lambda r: f"{r['wall_time_s'] / 60:.0f}"),
+          ('minutes (attempts)', minutes),
       ],
   )
   (args.out / 'results.md').write_text(table)

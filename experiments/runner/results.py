@@ -159,7 +159,9 @@ def _run_row(run: Mapping[str, Any]) -> dict[str, Any]:
       'name': run['name'],
       'seed': run.get('seed'),
       **(run.get('config') or {}),
-      'wall_time_s': run.get('wall_time_s'),
+      'wall_time_s': run.get('wall_time_s'),  # the last attempt's
+      'wall_time_total_s': run.get('wall_time_total_s', run.get('wall_time_s')),
+      'attempts': run.get('attempts', 1),
   }
 
 

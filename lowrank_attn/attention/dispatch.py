@@ -76,7 +76,7 @@ What no fused kernel computes (talking_heads, attention dropout, a boolean mask 
   nothing to tile.
 - 'xla' before 'blockwise' off CPU: on the H200 'xla' was 2.2-2.6x faster than 'blockwise' at
   every length it fit (512-4096), so 'blockwise' is only for memory.
-- CPU: 'blockwise' was 1.5x faster than 'xla' at L = 512 and 2.3x at 4096 on 2 x86 cores
+- CPU: 'blockwise' was 1.4x faster than 'xla' at L = 512 and 1.8x at 4096 on 2 x86 cores
   (benchmarks/results/attention_long.md); at the 128-256 rows of our CPU configs 'xla' stays
   (their losses are bitwise those of implementation='xla').
 - MATERIALISE_MAX_BYTES = 1 GiB of float32 weights `[batch, heads, q, kv]` per layer: training

@@ -317,11 +317,16 @@ def test_final_history_aggregate_and_table():
       'kind': 'a',
       'dim': 16,
       'wall_time_s': 1.0,
+      'wall_time_total_s': 1.0,  # one attempt: the same
+      'attempts': 1,
       'params': 160,
       'step': 2,
       'split': 'eval',
       'bleu': 18,
   }
+  resumed = {**RESULTS['runs'][0], 'wall_time_s': 1.0, 'wall_time_total_s': 5.0, 'attempts': 2}
+  (row,) = runner.final({'runs': [resumed]}, split='eval')
+  assert (row['wall_time_s'], row['wall_time_total_s'], row['attempts']) == (1.0, 5.0, 2)
   seven = pytest.approx(7**0.5)
   assert len(runner.history(RESULTS, 'eval')) == 24
   agg = runner.aggregate(rows, by=['kind', 'dim'], values=['bleu'])
