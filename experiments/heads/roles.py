@@ -237,7 +237,7 @@ def comparison_table(comparisons: list[dict]) -> str:
       '|---|---|---|---|---|---|',
   ]
   for c in comparisons:
-    model = 'all-MiniLM-L6-v2' if c['first']['model'] == 'minilm' else c['first']['model']
+    model = model_label(c['first']['model'])
     for side in ('first', 'second'):
       n = c['counts'][side]
       rows.append(
@@ -253,11 +253,22 @@ def comparison_table(comparisons: list[dict]) -> str:
   return '\n'.join(rows) + '\n\n' + '\n'.join(kept_rows) + '\n\n' + '\n\n'.join(sentences)
 
 
+def model_label(model: str) -> str:
+  """'minilm' or a translation run directory, as the README names it."""
+  if model == 'minilm':
+    return 'all-MiniLM-L6-v2'
+  return f'translation encoder (run `{pathlib.PurePath(model).name}`)'
+
+
 def comparison_sentence(c: dict) -> str:
   """The heads kept, in words, from a `write_comparison` result."""
-  model = 'all-MiniLM-L6-v2' if c['first']['model'] == 'minilm' else c['first']['model']
+  model = model_label(c['first']['model'])
   first, second = (CORPUS_SHORT.get(c[s]['corpus'], c[s]['corpus']) for s in ('first', 'second'))
   n, m, k = c['counts']['first'], c['counts']['second'], c['kept']
+  if n['any'] == 0:
+    if m['any'] == 0:
+      return f'{model}: no head has a role, on {first} or on {second}.'
+    return f"{model}: no head has a role on {first}; {m['any']} have one on {second}."
   return (
       f"{model}: {k['any']} of its {n['any']} heads with a role on {first} have one on {second} "
       f"too ({k['positional']} of {n['positional']} positional, {k['syntactic']} of "

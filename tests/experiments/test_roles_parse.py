@@ -207,3 +207,17 @@ def test_readme_table_is_rewritten_from_the_comparison_files(tmp_path):
   assert 'STALE' not in text and text.startswith('x\n') and text.endswith('\ny\n')
   assert '| all-MiniLM-L6-v2 | 1 | 0 | 0 | 1 | 1 |' in text
   assert '| 20 | 2 of 2 | 1 | 0 | 1 |' in text
+
+
+def test_a_model_without_role_heads_is_said_plainly():
+  c = {
+      'first': {'model': '/runs/multi30k/base', 'corpus': 'ud'},
+      'second': {'model': '/runs/multi30k/base', 'corpus': 'multi30k'},
+      **roles.compare_roles(
+          [{'layer': 0, 'head': 0, 'roles': []}], [{'layer': 0, 'head': 0, 'roles': []}]
+      ),
+  }
+  sentence = roles.comparison_sentence(c)
+  assert sentence.startswith('translation encoder (run `base`): no head has a role, on ')
+  c['counts']['second']['any'] = 2
+  assert roles.comparison_sentence(c).endswith('2 have one on Multi30k.')
