@@ -288,7 +288,7 @@ def bench_long(length, args, dtype):
           train_ms=1e3 * t,
           gflops=3 * flops / t / 1e9,
           vs_flax=t / median['flax.nnx'] if 'flax.nnx' in median else None,
-          vs_concat=t / median['concat'],
+          vs_concat=t / median['concat'] if 'concat' in median else None,
       )
     rows.append(row)
   for label, message in failed.items():
