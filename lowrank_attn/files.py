@@ -18,6 +18,8 @@ The standard library only at the top (`runs` and `translate` check a directory w
 importing JAX; epath is imported on the first remote call).
 """
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
@@ -200,3 +202,20 @@ def local_dir(workdir: str | os.PathLike) -> str:
   digest = hashlib.sha256(workdir.encode()).hexdigest()[:10]
   root = os.path.expanduser(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
   return os.path.join(os.path.abspath(root), 'runs', f'{readable}-{digest}')
+
+
+@contextlib.contextmanager
+def local_lock(directory: str | os.PathLike | None, name: str = '.prepare.lock'):
+  """An exclusive `flock` on `<directory>/<name>` for the duration of the block (None, or a
+  remote directory: no lock). Processes of one machine that share a directory take turns:
+  the first prepares what goes there, the next ones wait and then find it prepared."""
+  if directory is None or is_remote(directory):
+    yield
+    return
+  os.makedirs(directory, exist_ok=True)
+  fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT, 0o666)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # (releases the lock)

@@ -773,6 +773,8 @@ def run_stages(plan: Plan, stage: str, parallel: int, refresh: bool, failures: d
         exit_on_failure=False,
     )
     failures.update({f['name']: f['why'] for f in results['failed']})
+    for name in finished(results):  # failed in an earlier stage, finished in this one
+      failures.pop(name, None)
     return results
 
   def picked(points: list[Point], arms: Sequence[Arm]) -> dict[Arm, float]:

@@ -1,4 +1,6 @@
-"""`python -m experiments.runner status RUNS_DIR`: the state of each run directory."""
+"""`python -m experiments.runner status RUNS_DIR`: the state of each run directory.
+`python -m experiments.runner manifest`: writes provenance.MANIFEST in this checkout, for a copy
+of it without .git (an accelerator machine's) to record the commit its runs ran."""
 
 import argparse
 from collections.abc import Sequence
@@ -6,6 +8,7 @@ import pathlib
 import sys
 
 from experiments.runner.grid import status
+from experiments.runner.provenance import REPO_ROOT, write_manifest
 from experiments.runner.report import markdown_table
 
 
@@ -20,7 +23,13 @@ def main(argv: Sequence[str] | None = None) -> None:
   commands = parser.add_subparsers(dest='command', required=True)
   status_parser = commands.add_parser('status', help='the state of each run in RUNS_DIR')
   status_parser.add_argument('runs_dir')
+  commands.add_parser(
+      'manifest', help=f'write the commit and file hashes for copies of {REPO_ROOT}'
+  )
   args = parser.parse_args(argv)
+  if args.command == 'manifest':
+    print(write_manifest(REPO_ROOT))
+    return
   if not pathlib.Path(args.runs_dir).is_dir():
     sys.exit(f'No such directory: {args.runs_dir}')
   rows = status(args.runs_dir)

@@ -113,6 +113,8 @@ def runs_summary(results: Mapping[str, Any]) -> str:
         f"available), {m.get('platform', '?')}, Python {m.get('python', '?')}, "
         f"jax {m.get('jax', '?')}"
     )
+    if m.get('gpus'):
+      line += ' with ' + ', '.join(m['gpus'])
     if line not in machines:
       machines.append(line)
   return (

@@ -119,22 +119,31 @@ def load_builder(
   """
   tfds_data_dir = os.fspath(tfds_data_dir or default_tfds_data_dir(None))
   spec = dataset_spec(name)
-  if spec.builder_cls is not None:
-    builder = spec.builder_cls(config=spec.config, data_dir=tfds_data_dir, raw_data_dir=data_dir)
-  else:
-    builder = _official_builder(name, tfds_data_dir)
-  if not builder.is_prepared():
-    if spec.builder_cls is None:
-      missing = [
-          m for m in ('tensorflow', 'importlib_resources') if importlib.util.find_spec(m) is None
-      ]
-      if missing:  # fail now rather than after TFDS has started downloading
-        raise ImportError(
-            f'{name!r} is not prepared in {builder.data_dir} and preparing it needs '
-            f'{missing}. ' + _TF_INSTALL_HINT.format(name=name)
-        )
-    _prepare(builder, name)
+  builder = _builder(name, spec, data_dir, tfds_data_dir)
+  if builder.is_prepared():
+    return builder
+  # Processes sharing `tfds_data_dir` (a grid's parallel runs) would both prepare it and
+  # collide on TFDS's final rename: the first prepares, the others wait, then read it.
+  with files.local_lock(tfds_data_dir):
+    builder = _builder(name, spec, data_dir, tfds_data_dir)  # another may have prepared it
+    if not builder.is_prepared():
+      if spec.builder_cls is None:
+        missing = [
+            m for m in ('tensorflow', 'importlib_resources') if importlib.util.find_spec(m) is None
+        ]
+        if missing:  # fail now rather than after TFDS has started downloading
+          raise ImportError(
+              f'{name!r} is not prepared in {builder.data_dir} and preparing it needs '
+              f'{missing}. ' + _TF_INSTALL_HINT.format(name=name)
+          )
+      _prepare(builder, name)
   return builder
+
+
+def _builder(name: str, spec, data_dir, tfds_data_dir: str) -> tfds.core.DatasetBuilder:
+  if spec.builder_cls is not None:
+    return spec.builder_cls(config=spec.config, data_dir=tfds_data_dir, raw_data_dir=data_dir)
+  return _official_builder(name, tfds_data_dir)
 
 
 def load_data_source(

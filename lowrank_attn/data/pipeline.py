@@ -23,8 +23,6 @@ config are in `config.py`.
 """
 
 from collections.abc import Callable, Iterator
-import contextlib
-import fcntl
 import math
 import os
 import re
@@ -113,7 +111,7 @@ def make_pipeline(
   )
 
   def prepare():
-    with _machine_lock(machine_dir):
+    with files.local_lock(machine_dir):
       source = _load_source(config, format, split, tfds_data_dir)
       fields = _text_fields(config, format, source)
       tokenizer = _load_tokenizer(config, fields, workdir=workdir, tfds_data_dir=tfds_data_dir)
@@ -170,23 +168,6 @@ def process_zero_first(
       barrier(name)
   barrier(name)
   return prepare()
-
-
-@contextlib.contextmanager
-def _machine_lock(directory: str | None):
-  """An exclusive `flock` on `<directory>/.prepare.lock` while preparing (None: none). The
-  processes of one machine share its local caches: the first prepares, the next ones wait
-  and then find the data prepared."""
-  if directory is None:
-    yield
-    return
-  os.makedirs(directory, exist_ok=True)
-  fd = os.open(os.path.join(directory, '.prepare.lock'), os.O_RDWR | os.O_CREAT, 0o666)
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    yield
-  finally:
-    os.close(fd)  # (releases the lock)
 
 
 def _jax_barrier(name: str) -> None:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -566,6 +567,44 @@ def test_process_zero_prepares_while_the_others_wait_then_read(tmp_path, monkeyp
   assert not errors
   assert prepared_by == ['process 0'] and trained_by == ['process 0']
   assert pipelines[1].tokenizer.chars == pipelines[0].tokenizer.chars
+
+
+def test_parallel_runs_sharing_a_tfds_dir_prepare_it_once(tmp_path, monkeypatch):
+  """A grid's parallel runs (separate single-process runs, here threads) on one fresh TFDS
+  directory: without a lock both prepare and collide on TFDS's final rename."""
+  prepared_by = []
+  prepare = datasets._prepare
+
+  def slow_prepare(*args):
+    prepared_by.append(threading.current_thread().name)
+    time.sleep(1.0)  # time for the other run to find the directory unprepared too
+    return prepare(*args)
+
+  monkeypatch.setattr(datasets, '_prepare', slow_prepare)
+  config = data.default_data_config(**TINY_LM, tfds_data_dir=str(tmp_path / 'tfds'))
+  pipelines, errors = {}, []
+
+  def run(i):
+    try:
+      pipelines[i] = tasks.make_pipeline(
+          config,
+          split='train',
+          seed=0,
+          global_batch_size=8,
+          train=True,
+          workdir=tmp_path / f'run{i}',
+      )
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  threads = [threading.Thread(target=run, args=(i,), name=f'run {i}') for i in (0, 1)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert not errors
+  assert len(prepared_by) == 1
+  assert len(pipelines[0].data_source) == len(pipelines[1].data_source) > 0
 
 
 def test_process_zero_reaches_the_barrier_even_when_it_fails():

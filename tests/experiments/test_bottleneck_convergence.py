@@ -201,3 +201,23 @@ def test_report_tables_and_differences(tmp_path):
   assert '3208 steps' in text
   for png in ('convergence_rates.png', 'convergence_best.png', 'convergence_width.png'):
     assert (p.out_dir / png).exists()
+
+
+def test_a_run_failed_in_one_stage_and_finished_in_a_later_one_is_no_failure(tmp_path, monkeypatch):
+  """A grid's failure (a data-preparation race, say) that a later stage's grid reran to the end
+  must not make the report say 'Failed' nor the command exit non-zero."""
+  p = conv.Plan(runs_dir=tmp_path, out_dir=tmp_path / 'convergence')
+  name = conv.lr_points(p, [conv.WIDTH_BASELINE])[1].name  # in stage lr and stage width
+  calls = []
+
+  def fake_grid(runs, *args, **kwargs):
+    calls.append([r.name for r in runs])
+    if len(calls) == 1:
+      return {'runs': [], 'failed': [{'name': name, 'why': 'exit code 1'}], 'unfinished': []}
+    return {'runs': [{'name': name, 'result': {}}], 'failed': [], 'unfinished': []}
+
+  monkeypatch.setattr(conv.runner, 'run_grid', fake_grid)
+  failures = {}
+  conv.run_stages(p, 'all', parallel=2, refresh=False, failures=failures)
+  assert len(calls) == 2 and name in calls[0] and name in calls[1]  # stages lr and width
+  assert failures == {}

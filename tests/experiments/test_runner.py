@@ -5,6 +5,7 @@ import os
 import pathlib
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -425,8 +426,49 @@ def test_each_run_records_the_commit_and_the_uncommitted_changes_it_ran(tmp_path
   assert attempts[0]['code']['modified'] == ['model.py']
 
 
+def test_machine_names_the_gpus_nvidia_smi_lists(tmp_path, monkeypatch):
+  smi = tmp_path / 'nvidia-smi'
+  smi.write_text('#!/bin/sh\n[ "$1" = --query-gpu=name ] && echo "NVIDIA H200"\n')
+  smi.chmod(0o755)
+  monkeypatch.setenv('PATH', f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+  machine = runner.machine()
+  assert machine['gpus'] == ['NVIDIA H200']
+  run = {'name': 'r', 'wall_time_s': 1.0, 'machine': machine}
+  assert 'with NVIDIA H200.' in runner.runs_summary({'runs': [run], 'failed': [], 'unfinished': []})
+  monkeypatch.setenv('PATH', str(tmp_path / 'nowhere'))
+  assert 'gpus' not in runner.machine()
+
+
 def test_code_outside_git_has_no_commit(tmp_path):
   assert runner.code_version(tmp_path) == {'commit': None, 'modified': []}
+
+
+def test_a_copy_without_git_reports_its_manifests_commit_and_its_edits(tmp_path):
+  """The tree sent to an accelerator machine has no .git: its manifest names the commit, and
+  a tracked Python file whose content differs from that commit's counts as modified."""
+  checkout = tmp_path / 'checkout'
+  (checkout / 'pkg').mkdir(parents=True)
+  git = lambda *args: subprocess.run(
+      ['git', '-C', str(checkout), *args], check=True, capture_output=True, text=True
+  ).stdout.strip()
+  git('init', '-q')
+  (checkout / 'pkg' / 'model.py').write_text('scale = 1.0\n')
+  (checkout / 'README.md').write_text('prose\n')
+  git('add', '.')
+  git('-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-q', '-m', 'model')
+  commit = git('rev-parse', 'HEAD')
+  runner.provenance.write_manifest(checkout)
+  copy = tmp_path / 'copy'
+  shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns('.git'))
+  assert runner.code_version(copy) == {'commit': commit, 'modified': [], 'copy_of_checkout': True}
+  (copy / 'README.md').write_text('other prose\n')  # not code
+  (copy / 'pkg' / 'model.py').write_text('scale = 1.5\n')
+  assert runner.code_version(copy)['modified'] == ['pkg/model.py']
+  # git's own object names: the hash `git hash-object` gives for the edited content.
+  blob = subprocess.run(
+      ['git', 'hash-object', str(copy / 'pkg' / 'model.py')], capture_output=True, text=True
+  ).stdout.strip()
+  assert runner.provenance._blob_hash(copy / 'pkg' / 'model.py') == blob
 
 
 def test_committed_results_stand_for_lost_run_directories_and_other_runs_are_kept(tmp_path):

@@ -1,0 +1,46 @@
+#!/bin/bash
+# An experiment's grid on a machine with an NVIDIA GPU that got a copy of this checkout without
+# its .git (the device machine of this workplace; any CUDA box with jax, flax, optax and orbax
+# works the same): installs the wheels in .whl/ if there are any (the packages that machine
+# lacks), runs `python -m MODULE ARGS...` for at most DEADLINE seconds (SIGTERM then: the grid
+# stops its runs, which checkpoint), then packs into $OUT what comes back: the experiment's
+# folder (results.json, plots, README section) and the run directories without checkpoints.
+#
+#   # here, on a clean checkout at the commit to run:
+#   python -m experiments.runner manifest       # .code_manifest.json: the commit, for provenance
+#   # on the GPU machine (carry .whl and .code_manifest.json):
+#   DEADLINE=470 bash experiments/gpu_grid.sh experiments/bottleneck \
+#       experiments.bottleneck.convergence --parallel=12
+#   # here: unpack runs.tar.gz into the runs directory and experiment.tar.gz over the checkout.
+#
+# XLA_PYTHON_CLIENT_PREALLOCATE=false lets the parallel runs share the GPU's memory.
+set -u
+OUT=${OUT:-/tmp/gpu_grid}
+DEADLINE=${DEADLINE:-470}
+RUNS=${RUNS:-/tmp/gpu_grid_runs}
+exp_dir=$1 module=$2
+shift 2
+mkdir -p "$OUT" "$RUNS"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+if compgen -G '.whl/*.whl' >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import jax, flax, optax, orbax.checkpoint as ocp, grain, tensorflow_datasets as tfds
+print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
+      "orbax", ocp.__version__, "tfds", tfds.__version__, jax.devices())' || exit 1
+  python3 -c 'from experiments import runner; print(runner.code_version("."))'
+} 2>&1 | tee "$OUT/machine.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || exit 1
+start=$(date +%s)
+timeout -s TERM -k 150 "$DEADLINE" python3 -m "$module" --runs_dir="$RUNS" "$@" \
+  >"$OUT/grid.log" 2>&1
+echo "grid exit $? after $(($(date +%s) - start)) s"
+grep -E '^grid: (start|done|fail|stop|interrupted)|^convergence:|runs failed' "$OUT/grid.log" | tail -60
+tar czf "$OUT/runs.tar.gz" --exclude=checkpoints --exclude=tensorboard --exclude=tfds \
+  --exclude=encoded -C "$RUNS" .
+tar czf "$OUT/experiment.tar.gz" "$exp_dir"
+ls -la "$OUT"
