@@ -18,13 +18,14 @@ set -u
 OUT=${OUT:-/tmp/gpu_grid}
 DEADLINE=${DEADLINE:-470}
 RUNS=${RUNS:-/tmp/gpu_grid_runs}
+WHEELS=${WHEELS:-.whl}  # packages the machine lacks (python 3.12 wheels there)
 exp_dir=$1 module=$2
 shift 2
 mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
-if compgen -G '.whl/*.whl' >/dev/null; then
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
 {
@@ -36,7 +37,7 @@ print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version
 } 2>&1 | tee "$OUT/machine.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 start=$(date +%s)
-timeout -s TERM -k 150 "$DEADLINE" python3 -m "$module" --runs_dir="$RUNS" "$@" \
+timeout -s TERM -k 60 "$DEADLINE" python3 -m "$module" --runs_dir="$RUNS" "$@" \
   >"$OUT/grid.log" 2>&1
 echo "grid exit $? after $(($(date +%s) - start)) s"
 grep -E '^grid: (start|done|fail|stop|interrupted)|^convergence:|runs failed' "$OUT/grid.log" | tail -60

@@ -198,7 +198,14 @@ def make_run(point: Point, plan: Plan) -> runner.Run:
       seed=point.seed,
       overrides=overrides,
       collect=functools.partial(collect, final_batches=plan.final_batches),
+      # The final evaluation in the run's own attempt: collecting it in the grid's process
+      # would keep the next runs from starting while it lasts.
+      then=[evaluate_command('{rundir}', plan.final_batches)],
   )
+
+
+def evaluate_command(rundir, batches: int) -> list[str]:
+  return [sys.executable, '-m', MODULE, f'--evaluate_run={rundir}', f'--eval_batches={batches}']
 
 
 def lr_points(plan: Plan, arms: Sequence[Arm] | None = None) -> list[Point]:
@@ -347,13 +354,7 @@ def final_evaluation(rundir: pathlib.Path, batches: int = -1) -> dict:
   path = rundir / WHOLE_FILE
   record = runner.files.read_json(path)
   if record is None or record.get('batches') != batches:
-    command = [
-        sys.executable,
-        '-m',
-        MODULE,
-        f'--evaluate_run={rundir}',
-        f'--eval_batches={batches}',
-    ]
+    command = evaluate_command(rundir, batches)
     done = subprocess.run(command, cwd=runner.REPO_ROOT, capture_output=True, text=True)
     if done.returncode != 0:
       raise RuntimeError(f'{" ".join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}')

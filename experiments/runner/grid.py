@@ -50,7 +50,10 @@ class Run:
   `command` is an argv list; `{rundir}` in any argument becomes the run's directory (also in
   the environment as RUN_DIR). `config` and `seed` are recorded in results.json as given.
   `collect(rundir) -> dict` reads the results of a run that exited 0 (default: `read_run`);
-  its keys join the run's entry in results.json.
+  its keys join the run's entry in results.json. `then`: argv lists run after `command` exits
+  0, in the same attempt (an evaluation that would otherwise hold up the grid's `collect`
+  while other runs wait to start); they are not part of the command that says whether a
+  finished run is the same run.
   """
 
   name: str
@@ -59,6 +62,7 @@ class Run:
   seed: int | None = None
   collect: Callable[[pathlib.Path], dict[str, Any]] | None = None
   env: Mapping[str, str] | None = None
+  then: Sequence[Sequence[str]] = ()
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -71,6 +75,9 @@ class Run:
           f'Run {self.name!r}: command must be a non-empty argv list, ' f'got {self.command!r}'
       )
     object.__setattr__(self, 'command', tuple(str(arg) for arg in self.command))
+    if any(isinstance(c, str) or not c for c in self.then):
+      raise ValueError(f'Run {self.name!r}: then must hold non-empty argv lists, got {self.then!r}')
+    object.__setattr__(self, 'then', tuple(tuple(str(a) for a in c) for c in self.then))
     try:
       json.dumps({'config': dict(self.config), 'seed': self.seed})
     except TypeError as e:
@@ -315,6 +322,9 @@ class _Grid:
   def _start(self, run: Run, rundir: pathlib.Path, lock_fd: int) -> _Attempt | None:
     number = sum('start' in line for line in files.read_jsonl(rundir / ATTEMPTS_FILE)) + 1
     argv = [arg.replace('{rundir}', str(rundir)) for arg in run.command]
+    if run.then:
+      chain = [argv] + [[arg.replace('{rundir}', str(rundir)) for arg in c] for c in run.then]
+      argv = [sys.executable, '-m', 'experiments.runner.chain', json.dumps(chain)]
     env = {
         **os.environ,
         **self.env,

@@ -426,6 +426,24 @@ def test_each_run_records_the_commit_and_the_uncommitted_changes_it_ran(tmp_path
   assert attempts[0]['code']['modified'] == ['model.py']
 
 
+def test_then_commands_run_in_order_after_the_command_succeeds(tmp_path):
+  out, runs_dir, trace = tmp_path / 'exp', tmp_path / 'runs', tmp_path / 'trace'
+  write = lambda word: py(f'open({str(trace)!r}, "a").write({word!r})')
+  runs = [
+      runner.Run('ok', write('train '), then=[write('eval '), write('plot')]),
+      runner.Run('bad', py('raise SystemExit(3)'), then=[write('never')]),
+  ]
+  results = runner.run_grid(runs, out, runs_dir=runs_dir, exit_on_failure=False)
+  assert trace.read_text() == 'train eval plot'
+  assert [r['name'] for r in results['runs']] == ['ok']
+  assert results['runs'][0]['command'] == list(runs[0].command)  # the then commands aside
+  assert [f['name'] for f in results['failed']] == ['bad'] and 'code 3' in results['failed'][0][
+      'why'
+  ]
+  with pytest.raises(ValueError, match='then must hold'):
+    runner.Run('x', py('pass'), then=['echo'])
+
+
 def test_machine_names_the_gpus_nvidia_smi_lists(tmp_path, monkeypatch):
   smi = tmp_path / 'nvidia-smi'
   smi.write_text('#!/bin/sh\n[ "$1" = --query-gpu=name ] && echo "NVIDIA H200"\n')
