@@ -39,7 +39,7 @@ print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version
 start=$(date +%s)
 timeout -s TERM -k 60 "$DEADLINE" python3 -m "$module" --runs_dir="$RUNS" "$@" \
   >"$OUT/grid.log" 2>&1
-echo "grid exit $? after $(($(date +%s) - start)) s"
+echo "grid exit $? after $(($(date +%s) - start)) s" | tee -a "$OUT/machine.txt"
 grep -E '^grid: (start|done|fail|stop|interrupted)|^convergence:|runs failed' "$OUT/grid.log" | tail -60
 tar czf "$OUT/runs.tar.gz" --exclude=checkpoints --exclude=tensorboard --exclude=tfds \
   --exclude=encoded -C "$RUNS" .

@@ -46,6 +46,12 @@ def code_version(checkout: str | os.PathLike) -> dict[str, Any]:
     return _copy_version(pathlib.Path(checkout))
   status = git('status', '--porcelain', '--untracked-files=no').stdout.splitlines()
   modified = sorted(path for path in (line[3:] for line in status) if path.endswith('.py'))
+  if modified:
+    # A copy sent with an older .git beside it (an accelerator machine's): the manifest, if it
+    # accounts for every file, names the commit the code is.
+    copy = _copy_version(pathlib.Path(checkout))
+    if copy['commit'] and not copy['modified']:
+      return copy
   return {'commit': head.stdout.strip(), 'modified': modified}
 
 

@@ -488,6 +488,20 @@ def test_a_copy_without_git_reports_its_manifests_commit_and_its_edits(tmp_path)
   ).stdout.strip()
   assert runner.provenance._blob_hash(copy / 'pkg' / 'model.py') == blob
 
+  # A copy sent with a stale .git (HEAD one commit back): the manifest names the code's commit.
+  (checkout / 'pkg' / 'model.py').write_text('scale = 3.0\n')
+  git('-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-q', '-am', 'scale 3')
+  newer = git('rev-parse', 'HEAD')
+  runner.provenance.write_manifest(checkout)
+  git('reset', '-q', '--soft', commit)
+  assert runner.code_version(checkout) == {
+      'commit': newer,
+      'modified': [],
+      'copy_of_checkout': True,
+  }
+  (checkout / 'pkg' / 'model.py').write_text('scale = 4.0\n')  # then neither explains it
+  assert runner.code_version(checkout) == {'commit': commit, 'modified': ['pkg/model.py']}
+
 
 def test_committed_results_stand_for_lost_run_directories_and_other_runs_are_kept(tmp_path):
   out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
