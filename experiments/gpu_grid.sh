@@ -22,11 +22,11 @@ WHEELS=${WHEELS:-.whl}  # packages the machine lacks (python 3.12 wheels there)
 exp_dir=$1 module=$2
 shift 2
 mkdir -p "$OUT" "$RUNS"
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
