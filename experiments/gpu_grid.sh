@@ -7,8 +7,10 @@
 # folder (results.json, plots, README section) and the run directories without checkpoints.
 #
 #   # here, on a clean checkout at the commit to run:
+#   bash experiments/gpu_wheels.sh               # .whl/: the packages that machine lacks
 #   python -m experiments.runner manifest       # .code_manifest.json: the commit, for provenance
-#   # on the GPU machine (carry .whl and .code_manifest.json):
+#   cp -r ../shared/data .gpu_data               # only if the experiment reads it (14 MB)
+#   # on the GPU machine (carry .whl, .code_manifest.json and .gpu_data if made):
 #   DEADLINE=470 bash experiments/gpu_grid.sh experiments/bottleneck \
 #       experiments.bottleneck.convergence --parallel=12
 #   # here: unpack runs.tar.gz into the runs directory and experiment.tar.gz over the checkout.
@@ -23,6 +25,9 @@ exp_dir=$1 module=$2
 shift 2
 mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The data sets an experiment reads from ../shared/data, copied into .gpu_data/ and carried
+# (the ../shared beside a checkout does not travel).
+[ -d .gpu_data ] && export LOWRANK_ATTN_DATA=$PWD/.gpu_data
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$WHEELS"/*.whl || exit 1

@@ -22,6 +22,11 @@ three stages (`--stage`; `all`, the default, runs them in order):
          fewer training FLOPs per step (analytic: 3 x `model.flops`, as the sweep counts them)
          trains round(steps x FLOPs per step of the other / its own) steps, the other `steps`.
 
+A longer budget need not sweep the rates again: `--steps=12000 --rate_steps=3000` trains stages
+seeds and width at 12,000 steps at the rates the 3,000-step sweep picked (its runs must be
+finished, here or in `convergence/results.json`), `--seeds=0` only seed 0. Each budget other
+than the default writes its own README section (`convergence-<steps>st`) and plots.
+
 Every run: warmup 12% of its steps (the bottleneck config's 30 of 250, scaled), cosine decay
 over its own length; an evaluation every steps/12 steps on the first 24 validation batches
 (49k characters, the same ones each time: the learning curve), and at the end bits per
@@ -153,6 +158,20 @@ class Plan:
   final_batches: int = -1  # the final evaluation: -1, the whole validation split
   out_dir: pathlib.Path = OUT
   runs_dir: pathlib.Path = pathlib.Path('runs')
+  rate_steps: int | None = None  # the budget whose stage-lr sweep picks the rates (None: steps)
+
+  @property
+  def rate_plan(self) -> 'Plan':
+    """The plan of the stage-lr runs that pick each arm's rate: this one, or the same grid at
+    `rate_steps` (a longer budget reusing a shorter budget's rate sweep)."""
+    if self.rate_steps in (None, self.steps):
+      return self
+    return dataclasses.replace(self, steps=self.rate_steps, rate_steps=None)
+
+  @property
+  def tag(self) -> str:
+    """The suffix of this budget's README section and plots ('' for the default budget)."""
+    return '' if self.steps == STEPS else f'-{self.steps}st'
 
   @classmethod
   def smoke(cls, runs_dir: pathlib.Path) -> 'Plan':
@@ -609,16 +628,26 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
       f'({plan.steps * 16 * 128:,} characters) per run unless stated; final bits/char '
       'on the whole validation split; curves: the periodic evaluations on its first '
       f'{plan.eval_batches} batches. Flattened: the last two periodic evaluations differ by '
-      f'less than {FLAT_TOL} bits/char (the change in brackets).',
+      f'less than {FLAT_TOL} bits/char (the change in brackets).'
+      + (
+          f' Rates: the best of the {plan.rate_steps}-step sweep (stage lr below).'
+          if plan.rate_plan is not plan
+          else ''
+      ),
       '',
   ]
-  # Stage lr.
-  lr_pts = lr_points(plan)
+  # Stage lr (at the budget that picks the rates).
+  rp = plan.rate_plan
+  lr_pts = lr_points(rp)
   rows_lr = [row(p, done[p.name]) for p in lr_pts if p.name in done]
-  best, notes = best_rates(finals(plan, lr_pts, done), plan.arms, plan)
-  width_lr = lr_points(plan, [WIDTH_ARM])
+  best, notes = best_rates(finals(rp, lr_pts, done), plan.arms, rp)
+  width_lr = lr_points(rp, [WIDTH_ARM])
   bad = diverged(plan, [p.name for p in lr_pts + width_lr], done)
-  lines += ['**Stage lr** (seed 0, every rate):', '', table(seed_summary(rows_lr), _by_key(best))]
+  lines += [
+      f'**Stage lr** (seed 0, every rate, {rp.steps} steps):',
+      '',
+      table(seed_summary(rows_lr), _by_key(best)),
+  ]
   if bad:
     lines += [
         f'Diverged (loss NaN/inf, no result; stages lr and width): {", ".join(sorted(bad))}.',
@@ -626,14 +655,14 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
     ]
   lines += [f'- {note}' for note in notes] + ([''] if notes else [])
   if rows_lr:
-    rates_png = plan.out_dir / 'convergence_rates.png'
+    rates_png = plan.out_dir / f'convergence_rates{rp.tag}.png'
     plot_rates(rows_lr, plan.arms, rates_png, ylabel)
     lines += [f'![learning curves per arm and rate]({rel(rates_png)})', '']
   # Stage seeds.
   rows_seeds = [row(p, done[p.name]) for p in seed_points(best, plan) if p.name in done]
   if rows_seeds:
     summaries = {s['key']: s for s in seed_summary(rows_seeds)}
-    best_png = plan.out_dir / 'convergence_best.png'
+    best_png = plan.out_dir / f'convergence_best{plan.tag}.png'
     plot_best(rows_seeds, best_png, 'Each arm at its best rate (min-max over seeds)', ylabel)
     lines += [
         '**Stage seeds** (each arm at its best rate):',
@@ -653,9 +682,9 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
   rows_wlr = [row(p, done[p.name]) for p in width_lr if p.name in done]
   if rows_wlr:
     wbest, wnotes = best_rates(
-        finals(plan, width_lr + lr_points(plan, [WIDTH_BASELINE]), done),
+        finals(rp, width_lr + lr_points(rp, [WIDTH_BASELINE]), done),
         (WIDTH_ARM, WIDTH_BASELINE),
-        plan,
+        rp,
     )
     lines += [
         f'**Stage width**: {WIDTH_ARM.label} (MLP {4 * WIDTH_ARM.emb_dim}) against '
@@ -685,7 +714,7 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
           if a['key'] != WIDTH_ARM.key:
             a, b = b, a
           lines.append(difference(a, b, f'{what}, fixed_head D = 128 minus concat D = 256'))
-      png = plan.out_dir / 'convergence_width.png'
+      png = plan.out_dir / f'convergence_width{plan.tag}.png'
       plot_best(rows_w, png, 'fixed_head D = 128 vs concat D = 256 (min-max over seeds)', ylabel)
       lines += ['', f'![width stage learning curves]({rel(png)})']
   failures = {k: v for k, v in (failures or {}).items() if k not in bad}
@@ -713,6 +742,17 @@ def main(argv=None):
       '--steps', type=int, default=STEPS, help='training steps per run (default %(default)s)'
   )
   parser.add_argument(
+      '--rate_steps',
+      type=int,
+      help="pick each arm's rate from the stage-lr sweep of this budget (default: --steps); "
+      'a longer budget then trains stages seeds and width only',
+  )
+  parser.add_argument(
+      '--seeds',
+      default=','.join(map(str, SEEDS)),
+      help='seeds of stages seeds and width (default %(default)s)',
+  )
+  parser.add_argument(
       '--smoke',
       action='store_true',
       help=f'every stage on {SMOKE_STEPS} steps, two arms and two rates, under <runs_dir>/smoke',
@@ -731,7 +771,8 @@ def main(argv=None):
   if args.smoke:
     plan = Plan.smoke(runs_dir)
   else:
-    plan = Plan(steps=args.steps, runs_dir=runs_dir)
+    seeds = tuple(int(seed) for seed in args.seeds.split(','))
+    plan = Plan(steps=args.steps, runs_dir=runs_dir, rate_steps=args.rate_steps, seeds=seeds)
   failures: dict[str, str] = {}
   if args.plot_only:
     results = runner.load_results(plan.out_dir)
@@ -743,7 +784,7 @@ def main(argv=None):
     (plan.out_dir / 'report.md').write_text(text + '\n')
     print(text)
   else:
-    runner.write_section(HERE / 'README.md', SECTION, text)
+    runner.write_section(HERE / 'README.md', SECTION + plan.tag, text)
   failures = {
       name: why
       for name, why in failures.items()
@@ -782,21 +823,22 @@ def run_stages(plan: Plan, stage: str, parallel: int, refresh: bool, failures: d
     path = plan.out_dir / runner.RESULTS_FILE
     results = runner.load_results(path) if path.exists() else None
     done = finished(results) if results else {}
-    best, notes = best_rates(finals(plan, points, done), arms, plan)
+    best, notes = best_rates(finals(plan, points, done), arms, plan.rate_plan)
     for note in notes:
       print(f'convergence: {note}', flush=True)
     return best
 
   results = None
+  rp = plan.rate_plan
   if stage in ('all', 'lr'):
-    results = grid(lr_points(plan))
+    results = grid(lr_points(rp))
   if stage in ('all', 'seeds'):
-    best = picked(lr_points(plan), plan.arms)
+    best = picked(lr_points(rp), plan.arms)
     print(f'convergence: best rates {_by_key(best)}', flush=True)
     if best:
       results = grid(seed_points(best, plan))
   if stage in ('all', 'width'):
-    sweep_points = lr_points(plan, [WIDTH_ARM, WIDTH_BASELINE])
+    sweep_points = lr_points(rp, [WIDTH_ARM, WIDTH_BASELINE])
     results = grid(sweep_points)
     best = picked(sweep_points, (WIDTH_ARM, WIDTH_BASELINE))
     print(f'convergence: width stage rates {_by_key(best)}', flush=True)

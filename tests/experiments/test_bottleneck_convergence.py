@@ -1,11 +1,13 @@
 """experiments/bottleneck/convergence.py: the stages' run lists, the best-rate pick, equal
 compute from the models' FLOPs, the flatness check and the report (no training)."""
 
+import dataclasses
 import math
 import pathlib
 
 import pytest
 
+from experiments import runner
 from experiments.bottleneck import convergence as conv
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -221,3 +223,37 @@ def test_a_run_failed_in_one_stage_and_finished_in_a_later_one_is_no_failure(tmp
   conv.run_stages(p, 'all', parallel=2, refresh=False, failures=failures)
   assert len(calls) == 2 and name in calls[0] and name in calls[1]  # stages lr and width
   assert failures == {}
+
+
+def test_a_longer_budget_takes_its_rates_from_a_shorter_budgets_sweep(tmp_path, monkeypatch):
+  """--steps=12000 --rate_steps=3000: stages seeds and width train at 12,000 steps at the rates
+  the 3,000-step sweep picked; the sweep itself is not trained again at 12,000."""
+  p = conv.Plan(steps=12000, rate_steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'out')
+  short = conv.Plan(steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'out')
+  assert p.rate_plan == dataclasses.replace(short, rate_steps=None) and short.rate_plan is short
+  assert (p.tag, short.tag) == ('-12000st', '')
+  swept = conv.lr_points(short) + conv.lr_points(short, [conv.WIDTH_ARM])
+  # At 3,000 steps 1e-2 is best for every arm (bits/char lowest at the highest rate).
+  runs = [{'name': q.name, 'result': {'bits_per_char': 3.0 - q.lr}} for q in swept]
+  p.out_dir.mkdir()
+  runner.files.write_json(p.out_dir / runner.RESULTS_FILE, {'runs': runs, 'failed': []})
+  calls = []
+
+  def fake_grid(runs, *args, **kwargs):
+    calls.append([r.name for r in runs])
+    return {'runs': [], 'failed': [], 'unfinished': []}
+
+  monkeypatch.setattr(conv.runner, 'run_grid', fake_grid)
+  flops = {conv.WIDTH_ARM: 2.0, conv.WIDTH_BASELINE: 1.0}
+  monkeypatch.setattr(conv, 'width_flops', lambda in_subprocess=False: flops)
+  conv.run_stages(p, 'all', parallel=1, refresh=False, failures={})
+  lr_names = [q.name for q in conv.lr_points(short)]
+  assert calls[0] == lr_names  # finished: the grid skips them
+  assert calls[1] == [
+      f'{arm.key}-lr0.01-12000st-s{seed}' for arm in conv.LR_ARMS for seed in conv.SEEDS
+  ]
+  assert calls[2] == [q.name for q in conv.lr_points(short, [conv.WIDTH_ARM, conv.WIDTH_BASELINE])]
+  # Width at 12,000 steps; the cheaper baseline trains twice as long at equal compute.
+  assert set(calls[3]) == {f'fixed128-h8-D128-lr0.01-12000st-s{s}' for s in conv.SEEDS} | {
+      f'concat-h8-D256-lr0.01-{n}st-s{s}' for n in (12000, 24000) for s in conv.SEEDS
+  }
