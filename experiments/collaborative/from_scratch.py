@@ -219,6 +219,12 @@ def read_lines(path) -> list[str]:
     return [line.rstrip('\n') for line in f]
 
 
+def read_references() -> dict[str, list[str]]:
+  """The German references of the splits BLEU is reported on, from the data directory."""
+  data = pathlib.Path(os.environ.get('LOWRANK_ATTN_DATA', runner.REPO_ROOT.parent / 'shared/data'))
+  return {split: read_lines(data / path) for split, path in REFERENCES.items()}
+
+
 def checked_translations(row: dict, split: str, references, translations: pathlib.Path):
   """A run's kept translations of `split`, refused unless their corpus BLEU against the
   references is the one its final evaluation recorded (else the two are not in one order)."""
@@ -237,8 +243,7 @@ def intervals(rows, emb_dim: int, translations: pathlib.Path) -> list[dict]:
   where both have kept translations of the same seeds (seeds averaged on each resample); the
   controls against concat at D~k = D. Each corpus BLEU recomputed from the kept translations
   must equal the recorded one (else the references are not in the translations' order)."""
-  data = pathlib.Path(os.environ.get('LOWRANK_ATTN_DATA', runner.REPO_ROOT.parent / 'shared/data'))
-  references = {split: read_lines(data / path) for split, path in REFERENCES.items()}
+  references = read_references()
   groups = {}
   for r in rows:
     if (translations / r['name']).is_dir():

@@ -16,12 +16,26 @@ per-head SVD's mixing frozen so it stays concat heads). The source itself is eva
 way and, as the control for what the extra steps do on their own, fine-tuned the same way.
 BLEU (beam of the source config, sacreBLEU) on test_2016_flickr and validation from each run's
 final evaluation; table in the README. Resumable: rerun the same command.
+
+Seeds and intervals (issue 24): `--seeds=0,1,2` fine-tunes every model (the control too) once
+per seed (the training seed: data order and dropout; the conversion is seedless); the run of
+the source's own seed keeps the plain name `<model>-ft`, the others are `<model>-ft-s<seed>`.
+Each finished run's translations are kept in `<name>/translations/`, and every model's BLEU
+minus the original's, before fine-tuning and after (against the control, on the seeds both
+have, seeds averaged on each resample), gets a 95% paired bootstrap interval over sentences
+(`experiments.stats.bleu_difference`), written to `<name>/intervals.json` and the README.
+`--name` picks the output folder and README section (default `nmt`); `--methods` a subset.
+
+    python -m experiments.collaborative.reparametrize_nmt --name=nmt_seeds --key_dims=64,32 \
+        --methods=collaborative --seeds=0,1,2 --runs_dir=/work/runs/collaborative_nmt_seeds
 """
 
 import json
 import pathlib
 
 from experiments import runner
+from experiments import stats
+from experiments.collaborative import from_scratch  # the translation keeping and checking
 from lowrank_attn.reparam import to_collaborative, to_low_rank_concat, write_run
 from lowrank_attn.runs import RunDir, with_overrides
 
@@ -50,6 +64,9 @@ def arguments():
   parser.add_argument('--types', default='encoder,decoder', help='attention types to convert')
   parser.add_argument('--finetune_steps', type=int, default=300)
   parser.add_argument('--learning_rate', type=float, default=5e-4)
+  parser.add_argument('--methods', default=','.join(METHODS), help='conversions to run')
+  parser.add_argument('--seeds', help="fine-tune seeds (default: the source run's seed)")
+  parser.add_argument('--name', default='nmt', help='output folder and README section')
   parser.add_argument(
       '--smoke',
       action='store_true',
@@ -59,12 +76,23 @@ def arguments():
   args = parser.parse_args()
   args.key_dims = [int(k) for k in args.key_dims.split(',')]
   args.types = args.types.split(',')
-  args.methods, args.out, args.decode = METHODS, HERE / 'nmt', {}
+  args.methods = tuple(args.methods.split(','))
+  unknown = sorted(set(args.methods) - set(METHODS))
+  if unknown:
+    parser.error(f'--methods: unknown {unknown}; valid: {list(METHODS)}')
+  args.seeds = None if args.seeds is None else [int(seed) for seed in args.seeds.split(',')]
+  args.out, args.decode = HERE / args.name, {}
   if args.smoke:
     args.key_dims, args.methods, args.finetune_steps = [128], ('collaborative',), 2
     args.out = pathlib.Path(args.runs_dir) / 'smoke_results'
     args.decode = {'decode.beam_size': 1, 'decode.max_length': 8}
   return args
+
+
+def finetune_name(name: str, seed: int, source_seed: int) -> str:
+  """A fine-tune's run name: `<name>-ft` at the source run's seed (the name runs had before
+  seeds), `<name>-ft-s<seed>` at any other."""
+  return f'{name}-ft' if seed == source_seed else f'{name}-ft-s{seed}'
 
 
 def convert(model, method: str, key_dim: int, types):
@@ -81,11 +109,23 @@ def main():
   converted_dir = pathlib.Path(args.runs_dir).resolve() / 'converted'
   common = {**data, **args.decode}
 
-  def run(name, fields, **config):
-    train = runner.train_run(
-        name, args.config, seed=source_config.seed, overrides={**common, **fields}
-    )
+  def run(name, fields, seed=source_config.seed, **config):
+    train = runner.train_run(name, args.config, seed=seed, overrides={**common, **fields})
     return runner.Run(name, train.command, config={**config, **train.config}, seed=train.seed)
+
+  seeds = args.seeds or [source_config.seed]
+
+  def finetunes(name, fields, **config):
+    return [
+        run(
+            finetune_name(name, seed, source_config.seed),
+            fields,
+            seed=seed,
+            finetuned=True,
+            **config,
+        )
+        for seed in seeds
+    ]
 
   tune = {
       'num_train_steps': args.finetune_steps,
@@ -106,13 +146,7 @@ def main():
           key_dim=width,
           finetuned=False,
       ),
-      run(
-          'original-ft',
-          {**tune, 'init_from': source.path},
-          method='original',
-          key_dim=width,
-          finetuned=True,
-      ),
+      *finetunes('original', {**tune, 'init_from': source.path}, method='original', key_dim=width),
   ]
   errors = {}
   for key_dim in args.key_dims:
@@ -133,64 +167,164 @@ def main():
           run(name, {**EVALUATE_ONLY, **fields}, method=method, key_dim=key_dim, finetuned=False)
       )
       frozen = {'trainable': '^(?!.*mixing)'} if method == 'per_head_svd' else {}
-      runs.append(
-          run(
-              f'{name}-ft',
-              {**fields, **tune, **frozen},
-              method=method,
-              key_dim=key_dim,
-              finetuned=True,
-          )
-      )
+      runs += finetunes(name, {**fields, **tune, **frozen}, method=method, key_dim=key_dim)
   if args.plot_only:
     results = runner.load_results(args.out)
   else:
     results = runner.run_grid(
         runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
     )
+    from_scratch.keep_translations(results, args.out / 'translations')
   report(results, errors, args)
 
 
-def report(results, errors, args) -> None:
+def collect_rows(results, errors) -> dict[tuple[str, int], dict]:
+  """(method, D~k) -> {'before': the converted model's run, 'after': its fine-tunes (one per
+  seed)}; each run with `bleu_test`, `bleu_validation` and the validation loss."""
   rows = {}
   for test, validation in zip(runner.final(results, 'test'), runner.final(results, 'validation')):
-    key = (test['method'], test['key_dim'])
-    row = rows.setdefault(key, {'method': key[0], 'key_dim': key[1]})
-    when = 'after' if test['finetuned'] else 'before'
-    row[f'test_{when}'] = runner.bleu_of(test)
-    row[f'validation_{when}'] = runner.bleu_of(validation)
-    row[f'loss_{when}'] = validation.get('loss')
+    r = {
+        **test,
+        'bleu_test': runner.bleu_of(test),
+        'bleu_validation': runner.bleu_of(validation),
+        'loss': validation.get('loss'),
+    }
+    key = (r['method'], r['key_dim'])
+    row = rows.setdefault(key, {'method': key[0], 'key_dim': key[1], 'after': []})
+    if r['finetuned']:
+      row['after'] = sorted(row['after'] + [r], key=lambda run: run['seed'])
+    else:
+      row['before'] = r
     name = f'{key[0]}-k{key[1]}'
     if name in errors:
       row['mean_error'] = sum(errors[name].values()) / len(errors[name])
+  return rows
+
+
+def intervals(rows, translations: pathlib.Path) -> list[dict]:
+  """BLEU of each converted model minus the original's, paired bootstrap over sentences: before
+  fine-tuning (one run each), and after against the control on the seeds both have (seeds
+  averaged on each resample). Runs whose translations were not kept are left out."""
+  originals = [row for (method, _), row in rows.items() if method == 'original']
+  if not originals:
+    return []
+  (original,) = originals
+  kept = lambda run: (translations / run['name']).is_dir()
+  references = from_scratch.read_references()
+  out = []
+  for (method, key_dim), row in rows.items():
+    if method == 'original':
+      continue
+    pairs = {}
+    if (
+        'before' in row
+        and 'before' in original
+        and kept(row['before'])
+        and kept(original['before'])
+    ):
+      pairs['before'] = ([original['before']], [row['before']])
+    seeds = sorted(
+        {r['seed'] for r in row['after'] if kept(r)}
+        & {r['seed'] for r in original['after'] if kept(r)}
+    )
+    if seeds:
+      pick = lambda runs: [r for r in runs if r['seed'] in seeds]
+      pairs['after'] = (pick(original['after']), pick(row['after']))
+    for when, (theirs, ours) in pairs.items():
+      entry = {'method': method, 'key_dim': key_dim, 'when': when, 'seeds': len(ours)}
+      for split, refs in references.items():
+        systems = [
+            [from_scratch.checked_translations(r, split, refs, translations) for r in group]
+            for group in (theirs, ours)
+        ]
+        entry[split] = stats.bleu_difference(refs, *systems).as_dict()
+      out.append(entry)
+  return out
+
+
+def _mean(runs, key):
+  values = [r[key] for r in runs if r.get(key) is not None]
+  return sum(values) / len(values) if values else None
+
+
+def report(results, errors, args) -> None:
+  rows = collect_rows(results, errors)
+  table_rows = []
+  for row in rows.values():
+    before, after = row.get('before', {}), row['after']
+    table_rows.append(
+        {
+            'method': row['method'],
+            'key_dim': row['key_dim'],
+            'mean_error': row.get('mean_error'),
+            'seeds': len(after),
+            **{
+                f'{key}_before': before.get(key) for key in ('bleu_test', 'bleu_validation', 'loss')
+            },
+            **{
+                f'{key}_after': _mean(after, key)
+                for key in ('bleu_test', 'bleu_validation', 'loss')
+            },
+        }
+    )
   cell = lambda key, digits=2: lambda r: '' if r.get(key) is None else f'{r[key]:.{digits}f}'
   table = runner.markdown_table(
-      list(rows.values()),
+      table_rows,
       [
           ('method', 'method'),
           ('D~k', 'key_dim'),
-          ('mean error', lambda r: f"{r['mean_error']:.3f}" if 'mean_error' in r else ''),
-          ('BLEU test, converted', cell('test_before')),
-          ('fine-tuned', cell('test_after')),
-          ('BLEU validation, converted', cell('validation_before')),
-          ('fine-tuned ', cell('validation_after')),
+          ('mean error', cell('mean_error', 3)),
+          ('BLEU test, converted', cell('bleu_test_before')),
+          ('fine-tuned', cell('bleu_test_after')),
+          ('BLEU validation, converted', cell('bleu_validation_before')),
+          ('fine-tuned ', cell('bleu_validation_after')),
           ('validation loss, converted', cell('loss_before', 3)),
           ('fine-tuned  ', cell('loss_after', 3)),
+          ('fine-tune seeds', 'seeds'),
       ],
   )
-  (args.out / 'results.md').write_text(table)
+  differences = intervals(rows, args.out / 'translations')
+  runner.files.write_json(args.out / 'intervals.json', differences)
+  interval = lambda split: lambda d: str(stats.Interval(**d[split]))
+  diff_table = runner.markdown_table(
+      differences,
+      [
+          ('method', 'method'),
+          ('D~k', 'key_dim'),
+          (
+              'compared',
+              lambda d: {'before': 'converted vs original', 'after': 'fine-tuned vs control'}[
+                  d['when']
+              ],
+          ),
+          ('seeds', 'seeds'),
+          ('test BLEU difference [95%]', interval('test')),
+          ('validation BLEU difference [95%]', interval('validation')),
+      ],
+  )
+  (args.out / 'results.md').write_text(table + '\n' + diff_table)
   print(table)
+  print(diff_table)
   if not args.smoke:
     runner.write_section(
         HERE / 'README.md',
-        'nmt',
+        args.name,
         '\n'.join(
             [
                 f'Source {args.source}; converted types {args.types}; fine-tune {args.finetune_steps} '
                 f'steps at peak learning rate {args.learning_rate}. '
                 + runner.runs_summary(results),
                 '',
+                'Fine-tuned columns: the mean over the fine-tune seeds.',
+                '',
                 table,
+                'BLEU of the converted model minus the original (converted: both as they are; '
+                'fine-tuned: against the original fine-tuned the same way, seeds averaged on each '
+                'resample), 95% paired bootstrap over sentences (`'
+                + args.name
+                + '/intervals.json`):',
+                '',
+                diff_table if differences else 'No run with kept translations yet.',
             ]
         ),
     )
