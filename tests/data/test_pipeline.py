@@ -524,6 +524,25 @@ def test_text_file_errors_name_the_files(pipeline, tmp_path, case, error, messag
 # ------------------------------------------------------------------------ several processes
 
 
+def _in_threads(target, indices, name):
+  """`target(i)` for each index in a thread of its own named `name(i)`, started in that order;
+  returns {index: result} and the exceptions raised."""
+  results, errors = {}, []
+
+  def run(i):
+    try:
+      results[i] = target(i)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  threads = [threading.Thread(target=run, args=(i,), name=name(i)) for i in indices]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  return results, errors
+
+
 def test_process_zero_prepares_while_the_others_wait_then_read(tmp_path, monkeypatch):
   """Simulated hosts (threads) on one fresh TFDS directory and workdir."""
   prepared_by, trained_by = [], []
@@ -541,29 +560,19 @@ def test_process_zero_prepares_while_the_others_wait_then_read(tmp_path, monkeyp
   monkeypatch.setattr(tokenizers.CharTokenizer, 'train', classmethod(counting_train))
   config = data.default_data_config(**TINY_LM, tfds_data_dir=str(tmp_path / 'tfds'))
   barrier = threading.Barrier(2, timeout=120)
-  pipelines, errors = {}, []
-
-  def run(process_index):
-    try:
-      pipelines[process_index] = tasks.make_pipeline(
-          config,
-          split='train',
-          seed=0,
-          global_batch_size=8,
-          train=True,
-          workdir=tmp_path / 'run',
-          process_index=process_index,
-          process_count=2,
-          barrier=lambda name: barrier.wait(),
-      )
-    except Exception as e:  # pylint: disable=broad-except
-      errors.append(e)
-
-  threads = [threading.Thread(target=run, args=(i,), name=f'process {i}') for i in (1, 0)]
-  for thread in threads:  # process 1 first: it must still wait for process 0
-    thread.start()
-  for thread in threads:
-    thread.join()
+  make = lambda process_index: tasks.make_pipeline(
+      config,
+      split='train',
+      seed=0,
+      global_batch_size=8,
+      train=True,
+      workdir=tmp_path / 'run',
+      process_index=process_index,
+      process_count=2,
+      barrier=lambda name: barrier.wait(),
+  )
+  # Process 1 first: it must still wait for process 0.
+  pipelines, errors = _in_threads(make, (1, 0), lambda i: f'process {i}')
   assert not errors
   assert prepared_by == ['process 0'] and trained_by == ['process 0']
   assert pipelines[1].tokenizer.chars == pipelines[0].tokenizer.chars
@@ -582,26 +591,10 @@ def test_parallel_runs_sharing_a_tfds_dir_prepare_it_once(tmp_path, monkeypatch)
 
   monkeypatch.setattr(datasets, '_prepare', slow_prepare)
   config = data.default_data_config(**TINY_LM, tfds_data_dir=str(tmp_path / 'tfds'))
-  pipelines, errors = {}, []
-
-  def run(i):
-    try:
-      pipelines[i] = tasks.make_pipeline(
-          config,
-          split='train',
-          seed=0,
-          global_batch_size=8,
-          train=True,
-          workdir=tmp_path / f'run{i}',
-      )
-    except Exception as e:  # pylint: disable=broad-except
-      errors.append(e)
-
-  threads = [threading.Thread(target=run, args=(i,), name=f'run {i}') for i in (0, 1)]
-  for thread in threads:
-    thread.start()
-  for thread in threads:
-    thread.join()
+  make = lambda i: tasks.make_pipeline(
+      config, split='train', seed=0, global_batch_size=8, train=True, workdir=tmp_path / f'run{i}'
+  )
+  pipelines, errors = _in_threads(make, (0, 1), lambda i: f'run {i}')
   assert not errors
   assert len(prepared_by) == 1
   assert len(pipelines[0].data_source) == len(pipelines[1].data_source) > 0
