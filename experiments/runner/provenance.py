@@ -56,8 +56,9 @@ def code_version(checkout: str | os.PathLike) -> dict[str, Any]:
 
 
 def write_manifest(checkout: str | os.PathLike) -> pathlib.Path:
-  """Writes `<checkout>/MANIFEST` (git-ignored): HEAD and the blob hash of every tracked file,
-  for `code_version` in a copy of the checkout that has no .git. The copy must carry it."""
+  """Writes `<checkout>/.code_manifest.json` (`MANIFEST`, git-ignored): HEAD and the blob hash
+  of every tracked file, for `code_version` in a copy of the checkout without .git (or with a
+  stale one). The copy must carry it."""
   checkout = pathlib.Path(checkout)
   run = lambda *a: subprocess.run(
       ['git', '-C', str(checkout), *a], capture_output=True, text=True, check=True

@@ -124,7 +124,7 @@ def load_builder(
     return builder
   # Processes sharing `tfds_data_dir` (a grid's parallel runs) would both prepare it and
   # collide on TFDS's final rename: the first prepares, the others wait, then read it.
-  with files.local_lock(tfds_data_dir):
+  with files.local_lock(tfds_data_dir, '.tfds_prepare.lock'):  # (not the pipeline's lock file)
     builder = _builder(name, spec, data_dir, tfds_data_dir)  # another may have prepared it
     if not builder.is_prepared():
       if spec.builder_cls is None:
