@@ -108,6 +108,40 @@ def test_averaged_parameters_are_the_mean_of_the_checkpoints(config, tmp_path):
     np.testing.assert_array_equal(value, second[name], err_msg=name)
 
 
+def test_a_slim_copy_keeps_one_checkpoints_parameters_and_what_reads_them(config, tmp_path):
+  vocab_size = CharTokenizer.train(['the quick brown fox jumps']).vocab_size
+  run = RunDir(tmp_path / 'run')
+  os.makedirs(os.path.join(run.path, 'final_eval', '7'))
+  run.write_config(config)
+  (tmp_path / 'run' / 'metrics.jsonl').write_text('{"step": 7, "split": "test", "bleu": 1.0}\n')
+  (tmp_path / 'run' / 'final_eval' / '7' / 'test.txt').write_text('a translation\n')
+  params = {k: random_params(config, vocab_size, seed=k)[1] for k in (3, 7)}
+  checkpointer = checkpoints.Checkpointer(run.path, keep=3, async_save=False)
+  for step, p in params.items():  # an optimizer-state stand-in beside the parameters
+    state = {'step': jnp.asarray(step, jnp.int32), 'params': p, 'opt_state': {'mu': p}}
+    checkpointer.save(step, state, {})
+  checkpointer.close()
+
+  slim = run.write_slim_copy(tmp_path / 'slim')
+  assert slim.steps() == [7] and slim.is_run()
+  assert config_lib.to_dict(slim.config) == config_lib.to_dict(run.config)
+  assert (tmp_path / 'slim' / 'final_eval' / '7' / 'test.txt').read_text() == 'a translation\n'
+  assert (tmp_path / 'slim' / 'metrics.jsonl').read_text().startswith('{"step": 7')
+  _, state = checkpoints.load_state(slim.path)
+  assert set(state) == {'step', 'params'} and int(state['step']) == 7
+  copied, original = leaves(slim.params()), leaves(params[7])
+  assert copied.keys() == original.keys()
+  for name, value in original.items():
+    np.testing.assert_array_equal(copied[name], value, err_msg=name)
+  earlier = leaves(run.write_slim_copy(tmp_path / 'slim3', step=3).params(3))
+  for name, value in leaves(params[3]).items():
+    np.testing.assert_array_equal(earlier[name], value, err_msg=name)
+  with pytest.raises(ValueError, match='not empty'):
+    run.write_slim_copy(tmp_path / 'slim')
+  with pytest.raises(ValueError, match='has no checkpoint of step 5'):
+    run.write_slim_copy(tmp_path / 'slim5', step=5)
+
+
 def test_check_step_names_the_steps_a_run_has(tmp_path):
   run = RunDir(tmp_path)
   with pytest.raises(FileNotFoundError, match='has no checkpoint in'):
