@@ -174,7 +174,8 @@ def main():
     results = runner.run_grid(
         runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
     )
-    from_scratch.keep_translations(results, args.out / 'translations')
+  # Also with --plot_only: a grid stopped before its end has run directories to keep from.
+  from_scratch.keep_translations(results, args.out / 'translations')
   report(results, errors, args)
 
 
