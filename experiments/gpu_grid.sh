@@ -1,9 +1,10 @@
 #!/bin/bash
-# An experiment's grid on a machine with an NVIDIA GPU that got a copy of this checkout without
-# its .git (the device machine of this workplace; any CUDA box with jax, flax, optax and orbax
-# works the same): installs the wheels in .whl/ if there are any (the packages that machine
-# lacks), runs `python -m MODULE ARGS...` for at most DEADLINE seconds (SIGTERM then: the grid
-# stops its runs, which checkpoint), then packs into $OUT what comes back: the experiment's
+# An experiment's grid on a machine with an NVIDIA GPU that got a copy of this checkout (the
+# device machine of this workplace, whose copy has no .git or an older one; any CUDA box with
+# jax, flax, optax and orbax works the same): installs the wheels in .whl/ if there are any (the
+# packages that machine lacks), runs `python -m MODULE ARGS...` for at most DEADLINE seconds
+# (SIGTERM then, SIGKILL 60 s later: the grid stops its runs, which checkpoint; a second call
+# on the same machine resumes them), then packs into $OUT what comes back: the experiment's
 # folder (results.json, plots, README section) and the run directories without checkpoints.
 #
 #   # here, on a clean checkout at the commit to run:
