@@ -321,22 +321,14 @@ class RunDir:
     `--config.init_from=<this directory>` and the overrides.
     """
     from flax import nnx
-    import jax.numpy as jnp
-
-    from lowrank_attn.train import checkpoints
 
     overrides = training_overrides(config, model.cfg)
-    checkpointer = checkpoints.Checkpointer(self.path, keep=1, async_save=False)
-    try:
-      if checkpointer.latest_step() is not None:
-        raise ValueError(
-            f'{self.path} already holds checkpoint step '
-            f'{checkpointer.latest_step()}; write a model to a new directory.'
-        )
-      params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-      checkpointer.save(0, {'step': jnp.zeros((), jnp.int32), 'params': params}, {})
-    finally:
-      checkpointer.close()
+    if self.latest_step() is not None:
+      raise ValueError(
+          f'{self.path} already holds checkpoint step '
+          f'{self.latest_step()}; write a model to a new directory.'
+      )
+    self._save_params(0, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     self.write_config(with_overrides(config, overrides))
     return overrides
 
@@ -347,10 +339,6 @@ class RunDir:
     parameters alone, under the same step number. Enough to warm-start from (`init_from`),
     evaluate or analyse, as the run itself; not to resume (no optimizer state). Local only."""
     import shutil
-
-    import jax.numpy as jnp
-
-    from lowrank_attn.train import checkpoints
 
     if files.is_remote(self.path) or files.is_remote(dest):
       raise ValueError(f'write_slim_copy copies local runs only ({self.path} -> {dest}).')
@@ -365,13 +353,20 @@ class RunDir:
     for name in (TOKENIZER_DIR, 'final_eval'):
       if os.path.isdir(os.path.join(self.path, name)):
         shutil.copytree(os.path.join(self.path, name), os.path.join(copy_.path, name))
-    checkpointer = checkpoints.Checkpointer(copy_.path, keep=1, async_save=False)
+    copy_._save_params(step, self.params(step))
+    return copy_
+
+  def _save_params(self, step: int, params: Any) -> None:
+    """Checkpoint `step` holding the parameters alone (no optimizer state): a warm-start source."""
+    import jax.numpy as jnp
+
+    from lowrank_attn.train import checkpoints
+
+    checkpointer = checkpoints.Checkpointer(self.path, keep=1, async_save=False)
     try:
-      state = {'step': jnp.asarray(step, jnp.int32), 'params': self.params(step)}
-      checkpointer.save(step, state, {})
+      checkpointer.save(step, {'step': jnp.asarray(step, jnp.int32), 'params': params}, {})
     finally:
       checkpointer.close()
-    return copy_
 
 
 # ------------------------------------------------------------------------------ internals
