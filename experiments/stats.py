@@ -68,11 +68,13 @@ def glue_difference(
     tasks: Mapping[
         str, tuple[Sequence[float], Sequence[Sequence[float]], Sequence[Sequence[float]]]
     ],
+    metric: str = 'score',
     **kwargs,
 ) -> Interval:
   """B - A of the average GLUE score over `tasks`: task -> (labels, A's predictions per seed,
   B's predictions per seed), every prediction list in the labels' order (the dev file's).
-  Each task's score is `glue_metrics`' (x100), averaged over the seeds of its system."""
+  Each task's score is `glue_metrics`' `metric` (x100: 'score', GLUE's, or one of the task's
+  own, e.g. 'spearman' for STS-B), averaged over the seeds of its system."""
   from lowrank_attn.tasks.glue import glue_metrics  # pylint: disable=g-import-not-at-top
 
   names = sorted(tasks)
@@ -86,7 +88,7 @@ def glue_difference(
     prepared.append((name, labels, a, b))
 
   def score(name, predictions, labels):
-    return np.mean([glue_metrics(name, p, labels)['score'] for p in predictions])
+    return np.mean([glue_metrics(name, p, labels)[metric] for p in predictions])
 
   def difference(indices):
     return np.mean(

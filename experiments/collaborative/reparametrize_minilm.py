@@ -53,8 +53,6 @@ DEFAULT_OUT = HERE / 'minilm'
 CAPTION_FILES = [f'task2/test_2016.{i}.en.gz' for i in range(1, 6)]  # in multi30k/
 TRAIN_FILE = 'train.en.gz'
 METHODS = ('collaborative', 'collaborative_rescaled', 'per_head_svd')
-EVAL_BATCH = 250  # sentences per embedding call (fixed: one compilation per length bucket)
-BUCKETS = (16, 32, 64, 128, 256)  # padded lengths: few compilations, little padding
 
 
 def parse_args(argv=None):
@@ -138,16 +136,6 @@ def token_ids(tokenizer: WordPieceTokenizer, sentences, max_length: int) -> list
   ]
 
 
-def padded(rows: list[list[int]], rows_per_batch: int) -> np.ndarray:
-  """`[rows_per_batch, length]` int32, length the smallest of BUCKETS that fits; missing rows
-  are all padding."""
-  length = next(b for b in BUCKETS if b >= max(len(r) for r in rows))
-  out = np.zeros((rows_per_batch, length), np.int32)
-  for i, row in enumerate(rows):
-    out[i, : len(row)] = row
-  return out
-
-
 # ------------------------------------------------------------------------------ evaluation
 
 
@@ -169,24 +157,6 @@ def retrieval_metrics(embeddings: list[np.ndarray]) -> dict[str, float]:
       recalls.append(np.mean(rank == 1))
       reciprocal_ranks.append(np.mean(1.0 / rank))
   return {'recall_at_1': float(np.mean(recalls)), 'mrr': float(np.mean(reciprocal_ranks))}
-
-
-@functools.partial(jax.jit, static_argnames=('graphdef', 'pooling'))
-def _embed_batch(graphdef, state, batch, pooling):
-  return bert.sentence_embeddings(nnx.merge(graphdef, state), batch, pooling)
-
-
-def embed(model, pooling, ids: list[list[int]]) -> np.ndarray:
-  """Sentence embeddings `[n, D]`, computed in batches of similar length (one compilation per
-  model structure and length bucket)."""
-  graphdef, state = nnx.split(model)
-  order = np.argsort([len(row) for row in ids], kind='stable')
-  out = np.zeros((len(ids), model.cfg.emb_dim), np.float32)
-  for start in range(0, len(ids), EVAL_BATCH):
-    chosen = order[start : start + EVAL_BATCH]
-    batch = padded([ids[i] for i in chosen], EVAL_BATCH)
-    out[chosen] = np.asarray(_embed_batch(graphdef, state, batch, pooling))[: len(chosen)]
-  return out
 
 
 def attention_cost(model, length: int) -> dict[str, float]:
@@ -233,7 +203,7 @@ def distill(model, pooling, train_ids, teacher, *, steps, batch_size, learning_r
   losses = []
   for i in range(steps):
     chosen = order[(i * batch_size + np.arange(batch_size)) % len(order)]
-    batch = padded([train_ids[j] for j in chosen], batch_size)
+    batch = bert.padded([train_ids[j] for j in chosen], batch_size)
     params, opt_state, loss = step(params, opt_state, batch, teacher[chosen])
     losses.append(float(loss))
   nnx.replace_by_pure_dict(state, params)
@@ -289,13 +259,13 @@ def main(argv=None):
     sentences = read_lines(data_file(TRAIN_FILE))
     needed = min(args.finetune_steps * args.batch_size, len(sentences))
     train_ids = token_ids(tokenizer, sentences[:needed], max_length)
-    teacher = embed(original, pooling, train_ids)
+    teacher = bert.embed_sentences(original, pooling, train_ids)
 
   results = load_results(out)
   done = {(r['method'], r['key_dim'], r['finetuned']) for r in results}
 
   def record(method, key_dim, finetuned, model, errors, started, **extra):
-    embeddings = embed(model, pooling, [row for ids in caption_ids for row in ids])
+    embeddings = bert.embed_sentences(model, pooling, [row for ids in caption_ids for row in ids])
     metrics = retrieval_metrics(np.split(embeddings, len(caption_ids)))
     entry = {
         'method': method,

@@ -11,8 +11,6 @@ import json
 import pathlib
 import tempfile
 
-from flax import nnx
-import jax
 import numpy as np
 
 from lowrank_attn import data
@@ -23,32 +21,35 @@ from lowrank_attn.train import state as state_lib
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def stsb_zero_shot(tfds_data_dir, model=None, length: int = 128) -> dict[str, float]:
-  """Spearman and Pearson (x100) of `model`'s pooled cosine similarity on STS-B dev (default
-  model: the installed all-MiniLM-L6-v2; any BERT-architecture model with its pooling)."""
+def stsb_similarities(
+    tfds_data_dir, model=None, length: int = 128
+) -> tuple[np.ndarray, np.ndarray]:
+  """`model`'s pooled cosine similarity of each STS-B dev pair and the gold scores, in the dev
+  file's order (default model: the installed all-MiniLM-L6-v2; any BERT-architecture model
+  with its pooling)."""
   model_dir = state_lib.pretrained_dir('all-MiniLM-L6-v2')
   model = model or bert.load_pretrained(model_dir)
   pooling = bert.sentence_pooling(model_dir)
   tokenizer = data.WordPieceTokenizer(model_dir / 'vocab.txt')
   source = data.load_data_source('glue/stsb', 'validation', tfds_data_dir=tfds_data_dir)
   examples = [source[i] for i in range(len(source))]
-  graphdef, params = nnx.split(model)
-  embed_fn = jax.jit(lambda p, x: bert.sentence_embeddings(nnx.merge(graphdef, p), x, pooling))
 
-  def embed(texts):
-    rows = np.zeros((len(texts), length), np.int32)
-    for i, text in enumerate(texts):
-      ids = [tokenizer.bos_id, *tokenizer.encode(text)[: length - 2], tokenizer.eos_id]
-      rows[i, : len(ids)] = ids
-    return np.concatenate(
-        [np.asarray(embed_fn(params, rows[i : i + 500])) for i in range(0, len(rows), 500)]
-    )
+  def embed(key):
+    ids = [
+        [tokenizer.bos_id, *tokenizer.encode(e[key].decode())[: length - 2], tokenizer.eos_id]
+        for e in examples
+    ]
+    return bert.embed_sentences(model, pooling, ids)
 
-  a = embed([e['sentence1'].decode() for e in examples])
-  b = embed([e['sentence2'].decode() for e in examples])
+  a, b = embed('sentence1'), embed('sentence2')
   cosine = np.sum(a * b, -1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
-  labels = np.array([e['label'] for e in examples])
-  return {'examples': len(examples), **glue.glue_metrics('stsb', cosine, labels)}
+  return cosine, np.array([e['label'] for e in examples])
+
+
+def stsb_zero_shot(tfds_data_dir, model=None, length: int = 128) -> dict[str, float]:
+  """Spearman and Pearson (x100) of `stsb_similarities`."""
+  cosine, labels = stsb_similarities(tfds_data_dir, model, length)
+  return {'examples': len(labels), **glue.glue_metrics('stsb', cosine, labels)}
 
 
 def main():

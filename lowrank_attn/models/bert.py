@@ -15,6 +15,7 @@ Normalize module; `sentence_pooling(path)` reads that and `sentence_embeddings` 
 """
 
 from collections.abc import Mapping
+import functools
 import json
 import os
 import pathlib
@@ -195,6 +196,47 @@ def sentence_embeddings(model, inputs: jax.Array, pooling: Pooling = Pooling()) 
   if pooling.normalize:  # as torch.nn.functional.normalize: x / max(|x|, 1e-12)
     pooled = pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
   return pooled
+
+
+BUCKETS = (16, 32, 64, 128, 256)  # padded lengths of `embed_sentences`: few compilations
+ROWS_PER_CALL = 250  # sentences per compiled call of `embed_sentences`
+
+
+def padded(rows: list[list[int]], rows_per_batch: int, buckets=BUCKETS) -> np.ndarray:
+  """`[rows_per_batch, length]` int32 token ids (0 = padding), length the smallest bucket
+  that holds the longest row; missing rows are all padding."""
+  longest = max(len(r) for r in rows)
+  length = next((b for b in buckets if b >= longest), None)
+  if length is None:
+    raise ValueError(f'a row of {longest} tokens is longer than the largest bucket {buckets[-1]}.')
+  out = np.zeros((rows_per_batch, length), np.int32)
+  for i, row in enumerate(rows):
+    out[i, : len(row)] = row
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'pooling'))
+def _embed_batch(graphdef, state, batch, pooling):
+  return sentence_embeddings(nnx.merge(graphdef, state), batch, pooling)
+
+
+def embed_sentences(model, pooling: Pooling, ids: list[list[int]], buckets=BUCKETS) -> np.ndarray:
+  """Sentence embeddings `[len(ids), D]` float32 of token-id rows (`[CLS] ... [SEP]`), in
+  their order.
+
+  Rows are sorted by length and embedded `ROWS_PER_CALL` at a time, padded to the smallest
+  bucket that holds the call's longest: one compilation per model structure and bucket. The
+  padding is masked, so this computes what padding every row to one length computes (up to
+  float rounding), in a fraction of the time for short sentences.
+  """
+  graphdef, state = nnx.split(model)
+  order = np.argsort([len(row) for row in ids], kind='stable')
+  out = np.zeros((len(ids), model.cfg.emb_dim), np.float32)
+  for start in range(0, len(ids), ROWS_PER_CALL):
+    chosen = order[start : start + ROWS_PER_CALL]
+    batch = padded([ids[i] for i in chosen], ROWS_PER_CALL, buckets)
+    out[chosen] = np.asarray(_embed_batch(graphdef, state, batch, pooling))[: len(chosen)]
+  return out
 
 
 def load_pretrained(model_dir: str | os.PathLike, **overrides):

@@ -102,3 +102,36 @@ def test_sentence_embeddings_are_mean_pooled_and_normalised(checkpoint):
   mean = (hidden * valid[..., None]).sum(1) / valid.sum(1, keepdims=True)
   expected = mean / np.linalg.norm(mean, axis=-1, keepdims=True)
   np.testing.assert_allclose(np.asarray(ours), expected, atol=2e-5)
+
+
+def test_embed_sentences_matches_one_padded_batch_in_the_rows_order():
+  """Bucketed, sorted embedding gives each row what one batch padded to a common length gives
+  it, in the rows' own order (more rows than one call holds, so rows cross calls)."""
+  attention = models.AttentionSpec(num_heads=4)
+  config = models.TransformerConfig(
+      vocab_size=100,
+      emb_dim=32,
+      mlp_dim=64,
+      num_encoder_layers=2,
+      num_decoder_layers=0,
+      encoder_attention=attention,
+      max_length=64,
+      norm='post',
+      dropout_rate=0.0,
+  )
+  model = models.EncoderMLM(config, rngs=nnx.Rngs(0))
+  rng = np.random.RandomState(0)
+  # The first call's rows (the shortest) fit the 16-token bucket, the second's need 64.
+  lengths = [*rng.randint(2, 16, bert.ROWS_PER_CALL + 10), *rng.randint(33, 65, 40)]
+  rows = [list(rng.randint(1, 100, n)) for n in rng.permutation(lengths)]
+  pooling = bert.Pooling(mode='mean', normalize=True)
+  ours = bert.embed_sentences(model, pooling, rows)
+  batch = np.zeros((len(rows), 64), np.int32)
+  for i, row in enumerate(rows):
+    batch[i, : len(row)] = row
+  expected = np.asarray(jax.jit(lambda m, x: bert.sentence_embeddings(m, x, pooling))(model, batch))
+  # Unit vectors; masked positions add exact zeros, so only the order of float32 sums over at
+  # most 64 positions differs: ~64 ulps of 1.
+  np.testing.assert_allclose(ours, expected, atol=64 * np.finfo(np.float32).eps)
+  with pytest.raises(ValueError, match='longer than the largest bucket'):
+    bert.padded([[1] * 300], 1)

@@ -1,0 +1,51 @@
+"""The STS-B zero-shot script's intervals: Spearman differences against scipy's, and kept
+similarities that must reproduce the recorded figures."""
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from experiments.collaborative import stsb_zero_shot
+
+
+def _entries(n=400, seed=0):
+  """Gold scores and three systems' similarities: the original close to the gold, two
+  conversions noisier (SVD the noisiest), all correlated through the gold."""
+  rng = np.random.default_rng(seed)
+  labels = np.round(rng.uniform(0, 5, n), 2)
+  noise = {'original@384': 0.6, 'collaborative@64': 0.9, 'per_head_svd@64': 1.5}
+  entries = {k: list(np.round(labels / 5 + rng.normal(0, s, n) / 5, 6)) for k, s in noise.items()}
+  return [float(x) for x in labels], entries
+
+
+def _results(labels, entries):
+  out = []
+  for name, sims in entries.items():
+    method, key_dim = name.split('@')
+    rho = scipy_stats.spearmanr(sims, labels).statistic
+    out.append({'method': method, 'key_dim': int(key_dim), 'spearman': 100 * rho})
+  return out
+
+
+def test_intervals_are_spearman_differences_of_the_kept_similarities():
+  labels, entries = _entries()
+  results = _results(labels, entries)
+  # Recorded as scipy computes them; the script recomputes them with the library's ranks.
+  intervals = stsb_zero_shot.compute_intervals(results, {'labels': labels, 'entries': entries})
+  rho = {r['method']: r['spearman'] for r in results}
+  (vs_svd,) = [i for i in intervals['vs_original'] if i['b'] == 'per_head_svd@64']
+  assert vs_svd['a'] == 'original@384'
+  assert vs_svd['estimate'] == pytest.approx(rho['per_head_svd'] - rho['original'], abs=1e-6)
+  assert vs_svd['low'] < vs_svd['estimate'] < vs_svd['high'] < 0  # clearly worse, paired
+  assert {i['b'] for i in intervals['vs_original']} == {'collaborative@64', 'per_head_svd@64'}
+  (methods,) = intervals['methods']  # collaborative minus SVD at 64; no rescaled entry
+  assert (methods['a'], methods['b']) == ('per_head_svd@64', 'collaborative@64')
+  assert methods['estimate'] == pytest.approx(rho['collaborative'] - rho['per_head_svd'], abs=1e-6)
+
+
+def test_a_recorded_figure_the_kept_similarities_do_not_give_is_refused():
+  labels, entries = _entries()
+  results = _results(labels, entries)
+  results[1]['spearman'] += 0.01
+  with pytest.raises(ValueError, match='collaborative@64: Spearman .* recorded'):
+    stsb_zero_shot.compute_intervals(results, {'labels': labels, 'entries': entries})
