@@ -33,7 +33,8 @@ test_2016_flickr and validation from each run's final evaluation, parameters of 
 and of the model; a table, a plot (BLEU vs key width, one line per kind and budget, min-max over
 seeds) and paired bootstrap intervals of the differences to concat at the same width and budget
 (seeds averaged on each resample; the translations are kept in `from_scratch/translations/`)
-in the README. Resumable: rerun the command.
+in the README. Resumable: rerun the command. A run that results.json records but whose run
+directory (and so its translations) is gone counts as finished; `--rerun_lost` runs it again.
 """
 
 import dataclasses
@@ -71,6 +72,12 @@ def arguments():
       '--kinds',
       default=','.join(KINDS),
       help=f'of {",".join(KINDS + CONTROLS)}; the controls run at D~k = D only',
+  )
+  parser.add_argument(
+      '--rerun_lost',
+      action='store_true',
+      help='run again the runs results.json has but whose run directories (and translations) '
+      'are gone, so that they get intervals; their old entries stand until then',
   )
   parser.add_argument(
       '--smoke',
@@ -181,7 +188,12 @@ def main():
     results = runner.load_results(args.out)
   else:
     results = runner.run_grid(
-        runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
+        runs,
+        args.out,
+        runs_dir=args.runs_dir,
+        parallel=args.parallel,
+        refresh=args.refresh,
+        rerun_lost=args.rerun_lost,
     )
   keep_translations(results, args.out / 'translations')
   report(results, base, args)

@@ -140,6 +140,7 @@ def run_grid(
     cwd: str | os.PathLike | None = None,
     env: Mapping[str, str] | None = None,
     refresh: bool = False,
+    rerun_lost: bool = False,
     tail_lines: int = 20,
     stop_timeout_s: float = 120.0,
     exit_on_failure: bool = True,
@@ -155,6 +156,8 @@ def run_grid(
   runs_dir: the run directories' root (default `default_runs_dir(<out_dir's name>)`).
   cwd: the commands' working directory (default: the repository root); env: extra variables.
   refresh: collect finished runs again (after changing a collector), rewriting their DONE.
+  rerun_lost: a run recorded in results.json whose directory is gone runs again instead of
+    counting as finished; its old entry stays in results.json until the new run finishes.
   A failed run (non-zero exit, or its collector raised) is reported with the end of its log
   and the others go on; at the end, `exit_on_failure` exits with status 1 if any failed.
   SIGINT or SIGTERM sends SIGTERM to the running commands (our training CLI saves a
@@ -182,7 +185,7 @@ def run_grid(
       tail_lines=tail_lines,
       stop_timeout_s=stop_timeout_s,
   )
-  grid.run(refresh=refresh)
+  grid.run(refresh=refresh, rerun_lost=rerun_lost)
   if grid.failed and exit_on_failure:
     raise SystemExit(
         f'grid: {len(grid.failed)} of {len(runs)} runs failed: '
@@ -228,16 +231,21 @@ class _Grid:
     names = {run.name for run in runs}
     self.recorded = {entry['name']: entry for entry in found if entry['name'] in names}
     self.kept = [entry for entry in found if entry['name'] not in names]
+    self.previous: dict[str, dict] = {}  # --rerun_lost: old entries until their reruns finish
 
   def rundir(self, run: Run) -> pathlib.Path:
     return self.runs_dir / run.name
 
-  def run(self, refresh: bool) -> None:
+  def run(self, refresh: bool, rerun_lost: bool = False) -> None:
     for run in self.runs:
       entry = files.read_json(self.rundir(run) / DONE_FILE)
       if entry is None:
         entry = self.recorded.get(run.name)
         if entry is None or not _same_command(entry['command'], run.command):
+          continue
+        if rerun_lost:
+          _say(f'grid: {run.name} finished earlier; its run directory is gone: running it again')
+          self.previous[run.name] = entry
           continue
         _say(
             f'grid: {run.name} finished earlier (in {self.results_path.name}; its run '
@@ -489,7 +497,12 @@ class _Grid:
   def results(self) -> dict[str, Any]:
     return {
         'runs_dir': str(self.runs_dir),
-        'runs': [self.done[run.name] for run in self.runs if run.name in self.done] + self.kept,
+        'runs': [
+            self.done.get(run.name) or self.previous[run.name]
+            for run in self.runs
+            if run.name in self.done or run.name in self.previous
+        ]
+        + self.kept,
         'failed': [{'name': name, 'why': why} for name, why in self.failed.items()],
         'unfinished': [
             run.name

@@ -527,3 +527,34 @@ def test_committed_results_stand_for_lost_run_directories_and_other_runs_are_kep
   changed = runner.Run('a', py(f'open({str(marks["a"])!r}, "a").write("y")'))
   runner.run_grid([changed], out, runs_dir=runs_dir)
   assert marks['a'].read_text() == 'xy'
+
+
+def test_rerun_lost_runs_a_recorded_run_again_and_its_old_entry_stands_until_then(tmp_path):
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  mark, stop = tmp_path / 'a.count', tmp_path / 'fail'
+  # 'a' records how often it ran; its collector writes what the run directory held.
+  command = py(f"""
+      import os, sys
+      open({str(mark)!r}, 'a').write('x')
+      sys.exit(3 if os.path.exists({str(stop)!r}) else 0)
+      """)
+  run = runner.Run('a', command)
+  first = runner.run_grid([run], out, runs_dir=runs_dir)
+  shutil.rmtree(runs_dir / 'a')  # a new machine: the run directory is gone
+
+  # Without the flag the record stands for the lost run; with it the run runs again, and
+  # while the rerun has not finished (here: it fails) the old entry stays in results.json.
+  runner.run_grid([run], out, runs_dir=runs_dir)
+  assert mark.read_text() == 'x'
+  stop.write_text('')
+  failed = runner.run_grid([run], out, runs_dir=runs_dir, rerun_lost=True, exit_on_failure=False)
+  assert mark.read_text() == 'xx'
+  assert failed['runs'] == first['runs'] and [f['name'] for f in failed['failed']] == ['a']
+  stop.unlink()
+  again = runner.run_grid([run], out, runs_dir=runs_dir, rerun_lost=True)
+  assert mark.read_text() == 'xxx'
+  # The new entry: the failed attempt and this one, in the new run directory.
+  assert first['runs'][0]['attempts'] == 1 and again['runs'][0]['attempts'] == 2
+  # Its directory exists now: the flag runs nothing more.
+  runner.run_grid([run], out, runs_dir=runs_dir, rerun_lost=True)
+  assert mark.read_text() == 'xxx'
