@@ -118,8 +118,8 @@ def main(argv=None):
 
 def compute_intervals(results, similarities) -> dict[str, list[dict]]:
   """Paired bootstrap intervals of Spearman differences (x100) over the dev pairs: every
-  entry narrower than the original against it (`vs_original`), and `PAIRS` at each width
-  (`methods`). Each Spearman is recomputed from the kept similarities and must match the
+  entry narrower than the original against it (`vs_original`), and `PAIRS` at each narrower
+  width (`methods`). Each Spearman is recomputed from the kept similarities and must match the
   recorded one."""
   labels, entries = similarities.get('labels'), similarities['entries']
   by_key = {key(r['method'], r['key_dim']): r for r in results}
@@ -137,18 +137,16 @@ def compute_intervals(results, similarities) -> dict[str, list[dict]]:
     )
     return {'a': a, 'b': b, **difference.as_dict()}
 
-  originals = [r for r in results if r['method'] == 'original']
-  vs_original = []
-  if originals:
-    reference = key('original', originals[0]['key_dim'])
-    vs_original = [
-        interval(reference, name)
-        for name, r in by_key.items()
-        if r['method'] != 'original' and r['key_dim'] < originals[0]['key_dim']
-    ]
+  # At the original's width every conversion is exact: only the narrower ones are compared.
+  full = max((r['key_dim'] for r in results), default=0)
+  vs_original = [
+      interval(key('original', full), name)
+      for name, r in by_key.items()
+      if r['key_dim'] < full and key('original', full) in by_key
+  ]
   methods = [
       interval(key(a, k), key(b, k))
-      for k in sorted({r['key_dim'] for r in results}, reverse=True)
+      for k in sorted({r['key_dim'] for r in results if r['key_dim'] < full}, reverse=True)
       for a, b in PAIRS
       if key(a, k) in by_key and key(b, k) in by_key
   ]

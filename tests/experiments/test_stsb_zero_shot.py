@@ -15,6 +15,9 @@ def _entries(n=400, seed=0):
   labels = np.round(rng.uniform(0, 5, n), 2)
   noise = {'original@384': 0.6, 'collaborative@64': 0.9, 'per_head_svd@64': 1.5}
   entries = {k: list(np.round(labels / 5 + rng.normal(0, s, n) / 5, 6)) for k, s in noise.items()}
+  # At full width the conversions are exact: the original's similarities, compared with none.
+  for name in ('collaborative@384', 'per_head_svd@384'):
+    entries[name] = entries['original@384']
   return [float(x) for x in labels], entries
 
 
@@ -32,20 +35,22 @@ def test_intervals_are_spearman_differences_of_the_kept_similarities():
   results = _results(labels, entries)
   # Recorded as scipy computes them; the script recomputes them with the library's ranks.
   intervals = stsb_zero_shot.compute_intervals(results, {'labels': labels, 'entries': entries})
-  rho = {r['method']: r['spearman'] for r in results}
+  rho = {f"{r['method']}@{r['key_dim']}": r['spearman'] for r in results}
   (vs_svd,) = [i for i in intervals['vs_original'] if i['b'] == 'per_head_svd@64']
   assert vs_svd['a'] == 'original@384'
-  assert vs_svd['estimate'] == pytest.approx(rho['per_head_svd'] - rho['original'], abs=1e-6)
+  assert vs_svd['estimate'] == pytest.approx(rho['per_head_svd@64'] - rho['original@384'], abs=1e-6)
   assert vs_svd['low'] < vs_svd['estimate'] < vs_svd['high'] < 0  # clearly worse, paired
   assert {i['b'] for i in intervals['vs_original']} == {'collaborative@64', 'per_head_svd@64'}
-  (methods,) = intervals['methods']  # collaborative minus SVD at 64; no rescaled entry
+  (methods,) = intervals['methods']  # collaborative minus SVD at 64 (none at full width)
   assert (methods['a'], methods['b']) == ('per_head_svd@64', 'collaborative@64')
-  assert methods['estimate'] == pytest.approx(rho['collaborative'] - rho['per_head_svd'], abs=1e-6)
+  assert methods['estimate'] == pytest.approx(
+      rho['collaborative@64'] - rho['per_head_svd@64'], abs=1e-6
+  )
 
 
 def test_a_recorded_figure_the_kept_similarities_do_not_give_is_refused():
   labels, entries = _entries()
   results = _results(labels, entries)
-  results[1]['spearman'] += 0.01
+  results[1]['spearman'] += 0.01  # collaborative@64
   with pytest.raises(ValueError, match='collaborative@64: Spearman .* recorded'):
     stsb_zero_shot.compute_intervals(results, {'labels': labels, 'entries': entries})
