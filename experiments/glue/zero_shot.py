@@ -3,10 +3,18 @@ embeddings (mean-pooled, normalised: its own pooling) against the gold scores.
 
     LOWRANK_ATTN_DATA=../shared/data .venv/bin/python -m experiments.glue.zero_shot
 
-Writes `zero_shot.json` (Spearman and Pearson x100, the bar a fine-tune should clear). About
-two minutes on the 2-core CPU. `tests/tasks/test_glue.py` asserts the same figure (86.7).
+Writes `zero_shot.json` (Spearman and Pearson x100, the bar a fine-tune should clear). Under a
+minute on the 2-core CPU. `tests/tasks/test_glue.py` asserts the same figure (86.7).
+
+    ... -m experiments.glue.zero_shot --finetuned=experiments/glue/predictions/stsb-s0.json
+
+also compares a fine-tuned STS-B run's dev predictions (its final evaluation's
+`validation_predictions.json`) with the zero-shot similarities: its Spearman and Pearson minus
+the zero-shot ones, with 95% paired bootstrap intervals over the 1,500 pairs
+(`experiments.stats`), in `zero_shot.json` under `finetuned`.
 """
 
+import argparse
 import json
 import pathlib
 import tempfile
@@ -52,11 +60,45 @@ def stsb_zero_shot(tfds_data_dir, model=None, length: int = 128) -> dict[str, fl
   return {'examples': len(labels), **glue.glue_metrics('stsb', cosine, labels)}
 
 
-def main():
+def versus_finetuned(cosine, labels, predictions_file) -> dict:
+  """A fine-tuned run's dev figures and their differences to the zero-shot ones (paired
+  bootstrap intervals); its labels must be the dev file's, in the same order."""
+  from experiments import stats  # pylint: disable=g-import-not-at-top
+
+  kept = json.loads(pathlib.Path(predictions_file).read_text())
+  predictions = np.asarray(kept['predictions'], np.float64)
+  if len(kept['labels']) != len(labels) or not np.allclose(kept['labels'], labels, atol=1e-6):
+    raise ValueError(
+        f"{predictions_file}: its labels are not STS-B dev's in file order ({len(labels)} "
+        'pairs): not predictions of this dev set.'
+    )
+  difference = lambda metric: stats.glue_difference(
+      {'stsb': (labels, [cosine], [predictions])}, metric=metric
+  ).as_dict()
+  return {
+      'predictions': str(predictions_file),
+      **glue.glue_metrics('stsb', predictions, labels),
+      'minus_zero_shot': {metric: difference(metric) for metric in ('spearman', 'pearson')},
+  }
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  parser.add_argument(
+      '--finetuned',
+      help="a fine-tuned STS-B run's validation_predictions.json to compare with the zero-shot "
+      'similarities',
+  )
+  args = parser.parse_args(argv)
   with tempfile.TemporaryDirectory() as tfds_data_dir:
-    result = stsb_zero_shot(tfds_data_dir)
+    cosine, labels = stsb_similarities(tfds_data_dir)
+  result = {'examples': len(labels), **glue.glue_metrics('stsb', cosine, labels)}
+  if args.finetuned:
+    result['finetuned'] = versus_finetuned(cosine, labels, args.finetuned)
   (HERE / 'zero_shot.json').write_text(json.dumps(result, indent=1) + '\n')
-  print(result)
+  print(json.dumps(result, indent=1))
 
 
 if __name__ == '__main__':

@@ -1,11 +1,15 @@
-"""The STS-B zero-shot script's intervals: Spearman differences against scipy's, and kept
-similarities that must reproduce the recorded figures."""
+"""The STS-B zero-shot scripts' intervals: Spearman differences against scipy's, kept
+similarities that must reproduce the recorded figures, a fine-tuned run's predictions paired
+only with the same dev pairs."""
+
+import json
 
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
 from experiments.collaborative import stsb_zero_shot
+from experiments.glue import zero_shot
 
 
 def _entries(n=400, seed=0):
@@ -54,3 +58,25 @@ def test_a_recorded_figure_the_kept_similarities_do_not_give_is_refused():
   results[1]['spearman'] += 0.01  # collaborative@64
   with pytest.raises(ValueError, match='collaborative@64: Spearman .* recorded'):
     stsb_zero_shot.compute_intervals(results, {'labels': labels, 'entries': entries})
+
+
+def test_a_finetuned_runs_predictions_are_compared_on_the_same_pairs(tmp_path):
+  labels, entries = _entries()
+  cosine, predictions = entries['original@384'], entries['per_head_svd@64']
+  kept = tmp_path / 'validation_predictions.json'
+  kept.write_text(json.dumps({'predictions': predictions, 'labels': labels}))
+  result = zero_shot.versus_finetuned(np.asarray(cosine), np.asarray(labels), kept)
+  expected = 100 * (
+      scipy_stats.spearmanr(predictions, labels).statistic
+      - scipy_stats.spearmanr(cosine, labels).statistic
+  )
+  difference = result['minus_zero_shot']['spearman']
+  assert difference['estimate'] == pytest.approx(expected, abs=1e-6)
+  assert difference['low'] < difference['estimate'] < difference['high']
+  assert result['spearman'] == pytest.approx(
+      100 * scipy_stats.spearmanr(predictions, labels).statistic, abs=1e-9
+  )
+  # Predictions of another order (or another split) are refused, not paired wrongly.
+  kept.write_text(json.dumps({'predictions': predictions, 'labels': labels[::-1]}))
+  with pytest.raises(ValueError, match='not STS-B dev'):
+    zero_shot.versus_finetuned(np.asarray(cosine), np.asarray(labels), kept)
