@@ -778,7 +778,7 @@ def main(argv=None):
     results = runner.load_results(plan.out_dir)
     failures = {f['name']: f['why'] for f in results.get('failed', [])}
   else:
-    results = run_stages(plan, args.stage, args.parallel, args.refresh, failures)
+    results = run_stages(plan, args.stage, runner.grid_options(args), failures)
   text = report(results, plan, failures)
   if args.smoke:
     (plan.out_dir / 'report.md').write_text(text + '\n')
@@ -795,7 +795,7 @@ def main(argv=None):
   return results
 
 
-def run_stages(plan: Plan, stage: str, parallel: int, refresh: bool, failures: dict) -> dict:
+def run_stages(plan: Plan, stage: str, options: dict, failures: dict) -> dict:
   """Runs the stage(s) in order; each reads the best rates from the runs finished so far."""
 
   def grid(points: Iterable[Point]) -> dict:
@@ -810,9 +810,8 @@ def run_stages(plan: Plan, stage: str, parallel: int, refresh: bool, failures: d
         runs,
         plan.out_dir,
         runs_dir=plan.runs_dir,
-        parallel=parallel,
-        refresh=refresh,
         exit_on_failure=False,
+        **options,
     )
     failures.update({f['name']: f['why'] for f in results['failed']})
     for name in finished(results):  # failed in an earlier stage, finished in this one

@@ -283,17 +283,14 @@ def main(argv=None):
         grid(smoke_dir, smoke=True),
         smoke_dir,
         runs_dir=smoke_dir,
-        parallel=args.parallel,
-        refresh=args.refresh,
+        **runner.grid_options(args),
     )
     print(json.dumps(rows(results), indent=1))
     return results
   if args.plot_only:
     results = runner.load_results(HERE)
   else:
-    results = runner.run_grid(
-        grid(runs_dir), HERE, runs_dir=runs_dir, parallel=args.parallel, refresh=args.refresh
-    )
+    results = runner.run_grid(grid(runs_dir), HERE, runs_dir=runs_dir, **runner.grid_options(args))
   runner.write_section(HERE / 'README.md', 'sweep', report(results))
   return results
 

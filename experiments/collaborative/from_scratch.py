@@ -191,9 +191,8 @@ def main():
         runs,
         args.out,
         runs_dir=args.runs_dir,
-        parallel=args.parallel,
-        refresh=args.refresh,
         rerun_lost=args.rerun_lost,
+        **runner.grid_options(args),
     )
   keep_translations(results, args.out / 'translations')
   report(results, base, args)

@@ -158,9 +158,7 @@ def main():
 def grid(runs, args):
   if args.plot_only:
     return runner.load_results(args.out)
-  results = runner.run_grid(
-      runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
-  )
+  results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, **runner.grid_options(args))
   keep_predictions(results, args)
   return results
 

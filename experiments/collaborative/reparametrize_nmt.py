@@ -171,9 +171,7 @@ def main():
   if args.plot_only:
     results = runner.load_results(args.out)
   else:
-    results = runner.run_grid(
-        runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
-    )
+    results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, **runner.grid_options(args))
   # Also with --plot_only: a grid stopped before its end has run directories to keep from.
   from_scratch.keep_translations(results, args.out / 'translations')
   report(results, errors, args)

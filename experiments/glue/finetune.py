@@ -60,9 +60,7 @@ def main():
   if args.plot_only:
     results = runner.load_results(args.out)
   else:
-    results = runner.run_grid(
-        runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
-    )
+    results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, **runner.grid_options(args))
   report(results, args)
 
 

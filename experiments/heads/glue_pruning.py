@@ -623,9 +623,7 @@ def finished(results, runs) -> bool:
 
 
 def grid(runs, args):
-  results = runner.run_grid(
-      runs, args.out, runs_dir=args.runs_dir, parallel=args.parallel, refresh=args.refresh
-  )
+  results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, **runner.grid_options(args))
   keep_predictions(results, args)
   return results
 

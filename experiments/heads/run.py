@@ -670,9 +670,8 @@ def voita_grid(b: Base, runs_dir: pathlib.Path, out: pathlib.Path, s: Settings, 
       runs,
       out,
       runs_dir=runs_dir,
-      parallel=args.parallel,
-      refresh=args.refresh,
       exit_on_failure=False,
+      **runner.grid_options(args),
   )
   runs = voita_first(b, s)
   results = grid_(runs)
@@ -1093,8 +1092,7 @@ def main():
         grid(checked_base(base), runs_dir, s),
         out,
         runs_dir=runs_dir,
-        parallel=args.parallel,
-        refresh=args.refresh,
+        **runner.grid_options(args),
         exit_on_failure=False,
     )
   report(results, runs_dir, out, s)

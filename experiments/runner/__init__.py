@@ -43,7 +43,7 @@ from experiments.runner.files import (
     RESULT_FILE,
     RESULTS_FILE,
 )
-from experiments.runner.grid import Run, arg_parser, run_grid, status, train_run
+from experiments.runner.grid import Run, arg_parser, grid_options, run_grid, status, train_run
 from experiments.runner.provenance import (
     REPO_ROOT,
     RUNS_ENV,

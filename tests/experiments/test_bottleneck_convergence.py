@@ -220,7 +220,7 @@ def test_a_run_failed_in_one_stage_and_finished_in_a_later_one_is_no_failure(tmp
 
   monkeypatch.setattr(conv.runner, 'run_grid', fake_grid)
   failures = {}
-  conv.run_stages(p, 'all', parallel=2, refresh=False, failures=failures)
+  conv.run_stages(p, 'all', {'parallel': 2, 'refresh': False}, failures=failures)
   assert len(calls) == 2 and name in calls[0] and name in calls[1]  # stages lr and width
   assert failures == {}
 
@@ -246,7 +246,7 @@ def test_a_longer_budget_takes_its_rates_from_a_shorter_budgets_sweep(tmp_path, 
   monkeypatch.setattr(conv.runner, 'run_grid', fake_grid)
   flops = {conv.WIDTH_ARM: 2.0, conv.WIDTH_BASELINE: 1.0}
   monkeypatch.setattr(conv, 'width_flops', lambda in_subprocess=False: flops)
-  conv.run_stages(p, 'all', parallel=1, refresh=False, failures={})
+  conv.run_stages(p, 'all', {'parallel': 1, 'refresh': False}, failures={})
   lr_names = [q.name for q in conv.lr_points(short)]
   assert calls[0] == lr_names  # finished: the grid skips them
   assert calls[1] == [

@@ -558,3 +558,34 @@ def test_rerun_lost_runs_a_recorded_run_again_and_its_old_entry_stands_until_the
   # Its directory exists now: the flag runs nothing more.
   runner.run_grid([run], out, runs_dir=runs_dir, rerun_lost=True)
   assert mark.read_text() == 'xxx'
+
+
+def test_pinned_runs_each_get_cpus_of_their_own_and_single_threaded_xla(tmp_path):
+  usable = sorted(os.sched_getaffinity(0))
+  parallel = min(2, len(usable))
+  report = lambda name: py(f"""
+      import json, os, time
+      json.dump({{'cpus': sorted(os.sched_getaffinity(0)),
+                 'xla': os.environ.get('XLA_FLAGS', '')}}, open({str(tmp_path / name)!r}, 'w'))
+      time.sleep(0.5)  # overlap with the other run
+      """)
+  runs = [runner.Run(name, report(name)) for name in ('a', 'b', 'c')]
+  runner.run_grid(
+      runs, tmp_path / 'exp', runs_dir=tmp_path / 'runs', parallel=parallel, pin_cpus=True
+  )
+  seen = {name: json.loads((tmp_path / name).read_text()) for name in ('a', 'b', 'c')}
+  size = len(usable) // parallel
+  slots = {tuple(usable[i * size : (i + 1) * size]) for i in range(parallel)}
+  assert {tuple(s['cpus']) for s in seen.values()} <= slots  # a slot each, reused when free
+  assert tuple(seen['a']['cpus']) != tuple(seen['b']['cpus']) or parallel == 1
+  for s in seen.values():
+    assert ('--xla_cpu_multi_thread_eigen=false' in s['xla']) == (size == 1)
+  with pytest.raises(ValueError, match='cannot each have a CPU of their own'):
+    runner.run_grid(
+        runs,
+        tmp_path / 'exp2',
+        runs_dir=tmp_path / 'runs2',
+        parallel=len(usable) + 1,
+        pin_cpus=True,
+    )
+  assert not (tmp_path / 'exp2').exists()  # refused before anything was made
