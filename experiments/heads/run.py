@@ -614,14 +614,22 @@ def control_runs(
     b: Base, runs_dir: pathlib.Path, s: Settings, ks: dict[str, list[int]]
 ) -> tuple[list[runner.Run], list[runner.Run]]:
   """Stages 3 and 4: the baseline pruned to each K (random heads, one copy per seed, and the K
-  most important by the analyse run: Michel et al.'s global order), then each pruned copy
+  most important by the analyse run: Michel et al.'s global order; at K = 0, where both prune
+  every head, one random copy), then each pruned copy
   fine-tuned with exactly the L0 runs' budget and schedule. The pruned heads are gone from the
   copy (`lowrank_attn.pruning.prune_run`, as `michel-...-retrain`), so they stay pruned."""
   finetune = finetune_overrides(b, s)
   prunes, finetunes = [], []
   for types, kset in ks.items():
     for k in kset:
-      for method, seeds in (('random', s.random_seeds), ('importance', (None,))):
+      # At K = 0 every head of the pruned types goes, in any order: random (each seed) and
+      # importance pruning give the same copy, so one control stands for both.
+      methods = (
+          (('random', s.random_seeds[:1]),)
+          if k == 0
+          else (('random', s.random_seeds), ('importance', (None,)))
+      )
+      for method, seeds in methods:
         for seed in seeds:
           how = ['--seed', seed] if method == 'random' else ['--importance', runs_dir / 'analyse']
           record = {'types': types, 'k': k, 'random_seed': seed}
@@ -788,6 +796,8 @@ def comparison_pairs(rows: list[dict]) -> list[dict]:
       continue
     for other in ('random', 'importance'):
       control = groups.get((other, types, None, k))
+      if k == 0:  # one control for both at K = 0 (`control_runs`)
+        control = groups.get(('random', types, None, k))
       if control:
         pairs.append(
             {'kind': f'l0_minus_{other}', **what, 'a': names(control), 'b': names(members)}
@@ -1005,7 +1015,9 @@ def voita_report(results, b_path, out: pathlib.Path, s: Settings, images: str) -
           '',
           table if lines else 'No finished fine-tune yet.\n',
           'L0 against the controls pruned to its own head count K, both fine-tuned the same '
-          'way (a λ that closes no gate has no control: the no-gates fine-tune is it):',
+          'way (a λ that closes no gate has no control: the no-gates fine-tune is it; at K = 0 '
+          'random and importance pruning remove the same heads, all of them, and one '
+          'fine-tuned copy is the control of both columns):',
           '',
           table_l0 if l0_lines else '(none yet)\n',
           f'![BLEU vs encoder heads]({images}bleu_encoder.png) '

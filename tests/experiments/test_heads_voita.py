@@ -323,3 +323,35 @@ def test_kept_translations_must_score_what_was_recorded(tmp_path):
     from_scratch.checked_translations(
         {**good, 'bleu_test': bleu + 0.5}, 'test', references, tmp_path
     )
+
+
+def test_at_k_0_one_control_stands_for_random_and_importance():
+  """Pruning every encoder head leaves the same copy whatever the order: one prune and one
+  fine-tune, not four identical ones; both of an L0 run's comparisons at K = 0 use it."""
+  s = run.Settings(smoke=False)
+  prunes, finetunes = run.control_runs(BASE, RUNS_DIR, s, {'enc': [7, 0]})
+  assert [f.name for f in finetunes] == [
+      'random-enc-k7-s0-ft',
+      'random-enc-k7-s1-ft',
+      'random-enc-k7-s2-ft',
+      'importance-enc-k7-ft',
+      'random-enc-k0-s0-ft',
+  ]
+  assert flag(prunes[-1], '--keep') == '0' and flag(prunes[-1], '--prune') == 'random'
+  rows = [
+      {
+          'name': 'voita-finetune-nogates',
+          'method': 'nogates',
+          'types': None,
+          'lambda': None,
+          'k': None,
+      },
+      {'name': 'voita-enc-0.3', 'method': 'l0', 'types': 'enc', 'lambda': 0.3, 'k': 0},
+      {'name': 'random-enc-k0-s0-ft', 'method': 'random', 'types': 'enc', 'lambda': None, 'k': 0},
+  ]
+  against = {p['kind']: p['a'] for p in run.comparison_pairs(rows) if p['b'] == ['voita-enc-0.3']}
+  assert against == {
+      'minus_nogates': ['voita-finetune-nogates'],
+      'l0_minus_random': ['random-enc-k0-s0-ft'],
+      'l0_minus_importance': ['random-enc-k0-s0-ft'],
+  }
