@@ -274,7 +274,10 @@ class _Grid:
         if entry is None or not _same_command(entry['command'], run.command):
           continue
         if rerun_lost:
-          _say(f'grid: {run.name} finished earlier; its run directory is gone: running it again')
+          _say(
+              f'grid: {run.name} is recorded as finished, but its run directory holds no DONE '
+              '(it was lost): running it again'
+          )
           self.previous[run.name] = entry
           continue
         _say(
