@@ -35,34 +35,38 @@ FAKE_GRID = textwrap.dedent("""
 """)
 
 
-def test_deadline_then_packing_without_checkpoints(tmp_path):
+def gpu_grid(tmp_path, *args, deadline, prepared=None, cwd=REPO_ROOT, **env):
+  """Runs experiments/gpu_grid.sh ARGS with the fake experiment importable, this venv's python
+  first on PATH, no wheels, and OUT, RUNS and PREPARED under tmp_path."""
   (tmp_path / 'fake_experiment.py').write_text(FAKE_GRID)
-  out, runs = tmp_path / 'out', tmp_path / 'runs'
   env = {
-      **os.environ,
-      'OUT': str(out),
-      'RUNS': str(runs),
-      'DEADLINE': '20',
+      **{k: v for k, v in os.environ.items() if k != 'LOWRANK_ATTN_DATA'},
+      'OUT': str(tmp_path / 'out'),
+      'RUNS': str(tmp_path / 'runs'),
+      'DEADLINE': str(deadline),
       'WHEELS': str(tmp_path / 'no_wheels'),
-      'PREPARED': str(tmp_path / 'prepared'),
+      'PREPARED': str(prepared or tmp_path / 'prepared'),
       'PYTHONPATH': str(tmp_path),
       'PATH': f'{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ["PATH"]}',
+      **env,
   }
   done = subprocess.run(
-      [
-          'bash',
-          'experiments/gpu_grid.sh',
-          'experiments/bottleneck',
-          'fake_experiment',
-          '--parallel=3',
-      ],
-      cwd=REPO_ROOT,
+      ['bash', str(REPO_ROOT / 'experiments' / 'gpu_grid.sh'), *args],
+      cwd=cwd,
       env=env,
       capture_output=True,
       text=True,
       timeout=300,
   )
   assert done.returncode == 0, done.stdout + done.stderr
+  return done
+
+
+def test_deadline_then_packing_without_checkpoints(tmp_path):
+  out = tmp_path / 'out'
+  done = gpu_grid(
+      tmp_path, 'experiments/bottleneck', 'fake_experiment', '--parallel=3', deadline=20
+  )
   assert 'grid exit 124 after' in done.stdout  # timeout's code: the deadline stopped it
   assert 'stopped by SIGTERM' in (out / 'grid.log').read_text()
   assert 'grid exit 124' in (out / 'machine.txt').read_text()
@@ -80,39 +84,9 @@ def test_a_first_call_prepares_what_the_second_finds(tmp_path):
   (first / '.gpu_data' / 'glue').mkdir(parents=True)
   (first / '.gpu_data' / 'glue' / 'x.tsv').write_text('a\tb\n')
   prepared = tmp_path / 'prepared'
-  env = {**os.environ, 'PREPARED': str(prepared), 'PREPARE_ONLY': '1', 'WHEELS': 'none'}
-  done = subprocess.run(
-      ['bash', str(REPO_ROOT / 'experiments' / 'gpu_grid.sh')],
-      cwd=first,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=60,
-  )
-  assert done.returncode == 0, done.stdout + done.stderr
+  done = gpu_grid(tmp_path, deadline=15, cwd=first, PREPARE_ONLY='1')
   assert 'prepared in' in done.stdout
   assert (prepared / 'data' / 'glue' / 'x.tsv').read_text() == 'a\tb\n'
 
-  (tmp_path / 'fake_experiment.py').write_text(FAKE_GRID)
-  out = tmp_path / 'out'
-  env = {
-      **os.environ,
-      'OUT': str(out),
-      'RUNS': str(tmp_path / 'runs'),
-      'DEADLINE': '15',
-      'WHEELS': str(tmp_path / 'no_wheels'),
-      'PREPARED': str(prepared),
-      'PYTHONPATH': str(tmp_path),
-      'PATH': f'{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ["PATH"]}',
-  }
-  env.pop('LOWRANK_ATTN_DATA', None)
-  done = subprocess.run(
-      ['bash', 'experiments/gpu_grid.sh', 'experiments/bottleneck', 'fake_experiment'],
-      cwd=REPO_ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=300,
-  )
-  assert done.returncode == 0, done.stdout + done.stderr
-  assert f'data: {prepared / "data"}' in (out / 'grid.log').read_text()
+  gpu_grid(tmp_path, 'experiments/bottleneck', 'fake_experiment', deadline=5)
+  assert f'data: {prepared / "data"}' in (tmp_path / 'out' / 'grid.log').read_text()
