@@ -16,8 +16,10 @@ the rounded weights, into `glue/gpu_minilm_check.json`.
 """
 
 import argparse
+import json
 import pathlib
 import shutil
+import tempfile
 
 import numpy as np
 
@@ -72,9 +74,7 @@ def unpack(packed: pathlib.Path, dest: pathlib.Path) -> None:
 def check(out: pathlib.Path) -> dict:
   """STS-B dev zero-shot figures of the original and the float16-rounded weights, and the
   largest difference of a pair's cosine similarity between them."""
-  import json  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-
+  # Here, not at the top: pack and unpack need numpy and safetensors only, not jax.
   from experiments.glue import zero_shot  # pylint: disable=g-import-not-at-top
   from lowrank_attn.models import bert  # pylint: disable=g-import-not-at-top
   from lowrank_attn.tasks import glue  # pylint: disable=g-import-not-at-top

@@ -21,6 +21,7 @@ import tempfile
 
 import numpy as np
 
+from experiments import stats
 from lowrank_attn import data
 from lowrank_attn.models import bert
 from lowrank_attn.tasks import glue
@@ -54,17 +55,19 @@ def stsb_similarities(
   return cosine, np.array([e['label'] for e in examples])
 
 
+def figures(similarities, labels) -> dict[str, float]:
+  """The pairs, and Spearman and Pearson (x100) of similarities against the gold scores."""
+  return {'examples': len(labels), **glue.glue_metrics('stsb', similarities, labels)}
+
+
 def stsb_zero_shot(tfds_data_dir, model=None, length: int = 128) -> dict[str, float]:
-  """Spearman and Pearson (x100) of `stsb_similarities`."""
-  cosine, labels = stsb_similarities(tfds_data_dir, model, length)
-  return {'examples': len(labels), **glue.glue_metrics('stsb', cosine, labels)}
+  """`figures` of `stsb_similarities`."""
+  return figures(*stsb_similarities(tfds_data_dir, model, length))
 
 
 def versus_finetuned(cosine, labels, predictions_file) -> dict:
   """A fine-tuned run's dev figures and their differences to the zero-shot ones (paired
   bootstrap intervals); its labels must be the dev file's, in the same order."""
-  from experiments import stats  # pylint: disable=g-import-not-at-top
-
   kept = json.loads(pathlib.Path(predictions_file).read_text())
   predictions = np.asarray(kept['predictions'], np.float64)
   if len(kept['labels']) != len(labels) or not np.allclose(kept['labels'], labels, atol=1e-6):
@@ -94,7 +97,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   with tempfile.TemporaryDirectory() as tfds_data_dir:
     cosine, labels = stsb_similarities(tfds_data_dir)
-  result = {'examples': len(labels), **glue.glue_metrics('stsb', cosine, labels)}
+  result = figures(cosine, labels)
   if args.finetuned:
     result['finetuned'] = versus_finetuned(cosine, labels, args.finetuned)
   (HERE / 'zero_shot.json').write_text(json.dumps(result, indent=1) + '\n')
