@@ -558,7 +558,13 @@ def difference(a: Mapping, b: Mapping, what: str) -> str:
       if s == t
   ]
   largest = max(a['range'], b['range'])
-  verdict = 'larger than both seed ranges' if abs(delta) > largest else 'within a seed range'
+  if min(len(a['values']), len(b['values'])) < 2:
+    # A range over one seed is zero: comparing with it would call any difference real.
+    verdict = 'seed noise unmeasured (an arm with one seed)'
+  elif abs(delta) > largest:
+    verdict = 'larger than both seed ranges'
+  else:
+    verdict = 'within a seed range'
   return (
       f"- {what}: {delta:+.4f} bits/char ({a['arm']} at lr {a['lr']:g}, {a['steps']} steps: "
       f"{_bits(a)}; {b['arm']} at lr {b['lr']:g}, {b['steps']} steps: {_bits(b)}; "

@@ -257,3 +257,26 @@ def test_a_longer_budget_takes_its_rates_from_a_shorter_budgets_sweep(tmp_path, 
   assert set(calls[3]) == {f'fixed128-h8-D128-lr0.01-12000st-s{s}' for s in conv.SEEDS} | {
       f'concat-h8-D256-lr0.01-{n}st-s{s}' for n in (12000, 24000) for s in conv.SEEDS
   }
+
+
+def _summary(arm, values):
+  return {
+      'arm': arm,
+      'lr': 3e-3,
+      'steps': 12000,
+      'seeds': list(range(len(values))),
+      'values': values,
+      'bits_per_char': sum(values) / len(values),
+      'range': max(values) - min(values),
+  }
+
+
+def test_a_difference_between_single_seed_arms_claims_no_verdict():
+  """One seed per arm has a seed range of zero, which any difference exceeds: the line must
+  say the noise is unmeasured instead of calling the difference larger than it."""
+  one = conv.difference(_summary('a', [2.00]), _summary('b', [2.03]), 'h = 8')
+  assert 'seed noise unmeasured' in one and 'larger than' not in one
+  two = conv.difference(_summary('a', [2.00, 2.002]), _summary('b', [2.03, 2.031]), 'h = 8')
+  assert 'larger than both seed ranges' in two
+  near = conv.difference(_summary('a', [2.00, 2.04]), _summary('b', [2.01, 2.02]), 'h = 8')
+  assert 'within a seed range' in near

@@ -88,5 +88,49 @@ def test_a_first_call_prepares_what_the_second_finds(tmp_path):
   assert 'prepared in' in done.stdout
   assert (prepared / 'data' / 'glue' / 'x.tsv').read_text() == 'a\tb\n'
 
-  gpu_grid(tmp_path, 'experiments/bottleneck', 'fake_experiment', deadline=5)
+  # The second call from a checkout without .gpu_data (this one may have one, from a device
+  # call), its experiments/ this repo's.
+  second = tmp_path / 'second_call'
+  second.mkdir()
+  (second / 'experiments').symlink_to(REPO_ROOT / 'experiments')
+  gpu_grid(tmp_path, 'experiments/bottleneck', 'fake_experiment', deadline=5, cwd=second)
   assert f'data: {prepared / "data"}' in (tmp_path / 'out' / 'grid.log').read_text()
+
+
+FAKE_MPS_CONTROL = """#!/bin/bash
+echo "args: $* stdin: $([ "$1" = -d ] || cat)" >> "$MPS_LOG"
+"""
+
+
+def fake_mps_control(tmp_path) -> dict:
+  """A stand-in nvidia-cuda-mps-control on PATH that logs how it was called."""
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  (bin_dir / 'nvidia-cuda-mps-control').write_text(FAKE_MPS_CONTROL)
+  (bin_dir / 'nvidia-cuda-mps-control').chmod(0o755)
+  path = (
+      f'{pathlib.Path(sys.executable).parent}{os.pathsep}{bin_dir}{os.pathsep}{os.environ["PATH"]}'
+  )
+  return {'PATH': path, 'MPS_LOG': str(tmp_path / 'mps.log')}
+
+
+def test_mps_that_gives_jax_no_gpu_is_stopped_again(tmp_path):
+  """On this CPU the daemon starts but JAX finds no GPU behind it: the script must stop the
+  daemon (an MPS server without clients would hold the GPU of a real machine) and say so."""
+  env = fake_mps_control(tmp_path)
+  gpu_grid(tmp_path, 'experiments/bottleneck', 'fake_experiment', deadline=5, **env)
+  assert (tmp_path / 'mps.log').read_text().splitlines() == [
+      'args: -d stdin: ',
+      'args:  stdin: quit',
+  ]
+  assert (
+      'CUDA MPS: off (with the daemon up, JAX found no GPU)'
+      in (tmp_path / 'out' / 'machine.txt').read_text()
+  )
+
+
+def test_mps_0_leaves_the_daemon_alone(tmp_path):
+  env = fake_mps_control(tmp_path)
+  gpu_grid(tmp_path, 'experiments/bottleneck', 'fake_experiment', deadline=5, MPS='0', **env)
+  assert not (tmp_path / 'mps.log').exists()
+  assert 'CUDA MPS: off' in (tmp_path / 'out' / 'machine.txt').read_text()
