@@ -41,6 +41,9 @@ if [ "${PREPARE_ONLY:-0}" != 1 ]; then
 fi
 mkdir -p "$OUT" "$RUNS" "$PREPARED"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# JAX's persistent compilation cache, kept between calls on a warm machine: a run that starts
+# after another of the same shapes (a second wave of --parallel, a resumed run) skips compiling.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PREPARED/jax_cache}
 # The data sets an experiment reads from ../shared/data, copied into .gpu_data/ and carried
 # (the ../shared beside a checkout does not travel), or left in $PREPARED/data by a first call.
 if [ -d .gpu_data ]; then

@@ -30,6 +30,7 @@ FAKE_GRID = textwrap.dedent("""
     signal.signal(signal.SIGTERM, lambda *a: (print('stopped by SIGTERM', flush=True), sys.exit(143)))
     import os
     print('data:', os.environ.get('LOWRANK_ATTN_DATA'), flush=True)
+    print('compilation cache:', os.environ.get('JAX_COMPILATION_CACHE_DIR'), flush=True)
     print('grid: start a', flush=True)
     time.sleep(600)
 """)
@@ -69,6 +70,8 @@ def test_deadline_then_packing_without_checkpoints(tmp_path):
   )
   assert 'grid exit 124 after' in done.stdout  # timeout's code: the deadline stopped it
   assert 'stopped by SIGTERM' in (out / 'grid.log').read_text()
+  # JAX's compilation cache under PREPARED, which a second call on the same machine finds.
+  assert f'compilation cache: {tmp_path / "prepared" / "jax_cache"}' in (out / 'grid.log').read_text()
   assert 'grid exit 124' in (out / 'machine.txt').read_text()
   with tarfile.open(out / 'runs.tar.gz') as tar:
     names = sorted(n.removeprefix('./') for n in tar.getnames() if n != '.')
