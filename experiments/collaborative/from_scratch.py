@@ -21,6 +21,10 @@ Controls for collaborative's lead at D~k = D (`--kinds`, run at full width only)
   collaborative_concat_init  collaborative at D~k = D with trained mixing initialised block
                  one-hot (`mixing_init=concatenate`): exactly the concat layer at step 0;
   collaborative_ones_init    the same from all-ones mixing (`mixing_init=all_ones`);
+  collaborative_ones_init_scaled  all-ones mixing with logit scale 1/sqrt(D) instead of
+                 1/sqrt(D / 8): each head's logits at step 0 then have a concat head's variance
+                 (a sum of D products, not D / 8), so what is left of ones_init's failure is its
+                 identical heads, not its 8x larger logits;
   fixed_head_64  concat heads of size 64 (`kind=fixed_head`, head_dim 64: query/key/value width
                  8 x 64 = 512): each head's logits a rank-64 form instead of rank 32, the rank
                  control (Bhojanapalli et al.'s remedy).
@@ -40,6 +44,7 @@ directory (and so its translations) is gone counts as finished; `--rerun_lost` r
 import dataclasses
 import gzip
 import importlib.util
+import math
 import os
 import pathlib
 import shutil
@@ -57,7 +62,12 @@ HERE = pathlib.Path(__file__).resolve().parent
 OUT = HERE / 'from_scratch'
 KINDS = ('concat', 'collaborative')  # swept over --key_widths
 # Run at D~k = D only: what explains collaborative's lead at full width (issue 24).
-CONTROLS = ('collaborative_concat_init', 'collaborative_ones_init', 'fixed_head_64')
+CONTROLS = (
+    'collaborative_concat_init',
+    'collaborative_ones_init',
+    'collaborative_ones_init_scaled',
+    'fixed_head_64',
+)
 DEFAULT_STEPS = 600
 # The final evaluation's splits and their reference files (under LOWRANK_ATTN_DATA).
 REFERENCES = {'test': 'multi30k/test_2016_flickr.de.gz', 'validation': 'multi30k/val.de.gz'}
@@ -109,6 +119,11 @@ def load_config(config_file: str):
   return module.get_config(variant or 'base')
 
 
+# The collaborative controls' mixing initialisations, by the part of their name after
+# 'collaborative_'.
+INITS = {'concat_init': 'concatenate', 'ones_init': 'all_ones', 'ones_init_scaled': 'all_ones'}
+
+
 def training_fields(kind: str, key_width: int, emb_dim: int, steps: int) -> dict:
   """The config overrides of one run."""
   fields = {
@@ -122,13 +137,15 @@ def training_fields(kind: str, key_width: int, emb_dim: int, steps: int) -> dict
     return fields  # the baseline layer
   if kind == 'fixed_head_64':
     return fields | {'model.attention.kind': 'fixed_head', 'model.attention.head_dim': 64}
-  if kind in ('collaborative_concat_init', 'collaborative_ones_init'):
-    init = 'concatenate' if kind == 'collaborative_concat_init' else 'all_ones'
-    return fields | {
+  if kind.startswith('collaborative_') and kind.removeprefix('collaborative_') in INITS:
+    fields |= {
         'model.attention.kind': 'collaborative',
         'model.attention.key_dim': emb_dim,
-        'model.attention.mixing_init': init,
+        'model.attention.mixing_init': INITS[kind.removeprefix('collaborative_')],
     }
+    if kind == 'collaborative_ones_init_scaled':
+      fields['model.attention.logit_scale'] = 1 / math.sqrt(emb_dim)
+    return fields
   fields |= {'model.attention.kind': 'collaborative', 'model.attention.key_dim': key_width}
   if kind == 'concat':  # concat heads of query/key width key_width / heads: frozen one-hot mixing
     return fields | {'model.attention.mixing_init': 'concatenate', 'trainable': '^(?!.*mixing)'}

@@ -71,7 +71,9 @@ def test_deadline_then_packing_without_checkpoints(tmp_path):
   assert 'grid exit 124 after' in done.stdout  # timeout's code: the deadline stopped it
   assert 'stopped by SIGTERM' in (out / 'grid.log').read_text()
   # JAX's compilation cache under PREPARED, which a second call on the same machine finds.
-  assert f'compilation cache: {tmp_path / "prepared" / "jax_cache"}' in (out / 'grid.log').read_text()
+  assert (
+      f'compilation cache: {tmp_path / "prepared" / "jax_cache"}' in (out / 'grid.log').read_text()
+  )
   assert 'grid exit 124' in (out / 'machine.txt').read_text()
   with tarfile.open(out / 'runs.tar.gz') as tar:
     names = sorted(n.removeprefix('./') for n in tar.getnames() if n != '.')

@@ -84,9 +84,10 @@ def test_from_scratch_controls_of_the_full_width_lead():
     config_lib.validate(config)
     assert config.trainable is None  # everything trains, the mixing included
     specs[kind] = config_lib.model_config(config, 100).attention('encoder', 0)
-  for kind, init in [
-      ('collaborative_concat_init', 'concatenate'),
-      ('collaborative_ones_init', 'all_ones'),
+  for kind, init, scale in [
+      ('collaborative_concat_init', 'concatenate', 1 / np.sqrt(32)),
+      ('collaborative_ones_init', 'all_ones', 1 / np.sqrt(32)),
+      ('collaborative_ones_init_scaled', 'all_ones', 1 / np.sqrt(256)),
   ]:
     spec = specs[kind]
     assert (spec.kind, spec.key_dim, spec.head_dim, spec.mixing_init) == (
@@ -95,11 +96,32 @@ def test_from_scratch_controls_of_the_full_width_lead():
         32,
         init,
     )
-    assert spec.logit_scale == pytest.approx(1 / np.sqrt(32))
+    assert spec.logit_scale == pytest.approx(scale)
   fixed = specs['fixed_head_64']
   assert (fixed.kind, fixed.head_dim, fixed.num_heads) == ('fixed_head', 64, 8)
   assert from_scratch.key_width_of('fixed_head_64', base) == 8 * 64
   assert fixed.logit_scale == pytest.approx(1 / 8)
+
+
+def test_scaled_all_ones_mixing_gives_a_concat_heads_logit_variance():
+  """What the scaled control is for: at step 0, with unit-variance queries and keys, an
+  all-ones head's logits under the default scale have 8x the variance of a concat head's (a
+  sum of 256 products, not 32, under the same 1/sqrt(32)); under the scaled control's logit
+  scale they have the same. Concat head: numpy, 32 columns, 1/sqrt(32)."""
+  from lowrank_attn.attention import kernels  # pylint: disable=g-import-not-at-top
+  from lowrank_attn.attention import spec as spec_lib  # pylint: disable=g-import-not-at-top
+
+  base = from_scratch.load_config('configs/nmt.py:multi30k')
+  rng = np.random.default_rng(0)
+  q, k = rng.standard_normal((2, 512, 256)).astype(np.float32)
+  concat = (q[:, :32] @ k[:, :32].T) / np.sqrt(32)
+  ones = spec_lib.init_mixing('all_ones', None, 8, 256, np.float32)
+  for kind, ratio in [('collaborative_ones_init', 8.0), ('collaborative_ones_init_scaled', 1.0)]:
+    config = with_overrides(base, from_scratch.training_fields(kind, 256, 256, 600))
+    spec = config_lib.model_config(config, 100).attention('encoder', 0)
+    logits = np.asarray(kernels.collaborative_logits(q, k, ones, spec.logit_scale))[0]
+    # 512^2 logits each: the variance ratio's sampling error is a few percent.
+    assert logits.var() / concat.var() == pytest.approx(ratio, rel=0.1)
 
 
 def test_from_scratch_report_bootstraps_kept_translations_against_concat(tmp_path, monkeypatch):
