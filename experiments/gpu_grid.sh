@@ -43,6 +43,8 @@ mkdir -p "$OUT" "$RUNS" "$PREPARED"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # JAX's persistent compilation cache, kept between calls on a warm machine: a run that starts
 # after another of the same shapes (a second wave of --parallel, a resumed run) skips compiling.
+# Runs write it unlocked; an entry read half-written is a warning and a compile, not a failure
+# (checked with truncated entries on the CPU).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PREPARED/jax_cache}
 # The data sets an experiment reads from ../shared/data, copied into .gpu_data/ and carried
 # (the ../shared beside a checkout does not travel), or left in $PREPARED/data by a first call.
