@@ -1050,7 +1050,10 @@ def voita_main(args, s: Settings, runs_dir: pathlib.Path) -> None:
   images = '' if args.smoke else 'voita/'
   if args.plot_only:
     results = runner.load_results(out)
-    base = None
+    # The baseline's row needs only its final evaluation: read it when the run is there (else
+    # the report falls back on the record a grid's report left in baseline.json).
+    given = pathlib.Path(args.base)
+    base = given.resolve() if not args.smoke and (given / 'config.json').exists() else None
   else:
     base = smoke_base(runs_dir, args) if args.smoke else pathlib.Path(args.base).resolve()
     base = checked_base(base)

@@ -355,3 +355,23 @@ def test_at_k_0_one_control_stands_for_random_and_importance():
       'l0_minus_random': ['random-enc-k0-s0-ft'],
       'l0_minus_importance': ['random-enc-k0-s0-ft'],
   }
+
+
+@pytest.mark.parametrize('has_run', [True, False])
+def test_plot_only_reads_the_baseline_row_from_base_when_it_is_there(
+    tmp_path, monkeypatch, has_run
+):
+  """--plot_only trains nothing, but the report's baseline row needs the baseline's final
+  evaluation: from --base when that run exists, else (None) the record in baseline.json."""
+  base = tmp_path / 'base'
+  base.mkdir()
+  if has_run:
+    (base / 'config.json').write_text('{}')
+  seen = {}
+  monkeypatch.setattr(run.runner, 'load_results', lambda out: {'runs': [], 'failed': []})
+  monkeypatch.setattr(
+      run, 'voita_report', lambda results, b, out, s, images: seen.setdefault('base', b)
+  )
+  args = type('Args', (), {'plot_only': True, 'smoke': False, 'base': str(base)})()
+  run.voita_main(args, run.Settings(smoke=False), tmp_path / 'runs')
+  assert seen['base'] == (base.resolve() if has_run else None)
