@@ -119,9 +119,12 @@ def load_config(config_file: str):
   return module.get_config(variant or 'base')
 
 
-# The collaborative controls' mixing initialisations, by the part of their name after
-# 'collaborative_'.
-INITS = {'concat_init': 'concatenate', 'ones_init': 'all_ones', 'ones_init_scaled': 'all_ones'}
+# The collaborative controls' mixing initialisations.
+CONTROL_INITS = {
+    'collaborative_concat_init': 'concatenate',
+    'collaborative_ones_init': 'all_ones',
+    'collaborative_ones_init_scaled': 'all_ones',
+}
 
 
 def training_fields(kind: str, key_width: int, emb_dim: int, steps: int) -> dict:
@@ -137,11 +140,11 @@ def training_fields(kind: str, key_width: int, emb_dim: int, steps: int) -> dict
     return fields  # the baseline layer
   if kind == 'fixed_head_64':
     return fields | {'model.attention.kind': 'fixed_head', 'model.attention.head_dim': 64}
-  if kind.startswith('collaborative_') and kind.removeprefix('collaborative_') in INITS:
+  if kind in CONTROL_INITS:
     fields |= {
         'model.attention.kind': 'collaborative',
         'model.attention.key_dim': emb_dim,
-        'model.attention.mixing_init': INITS[kind.removeprefix('collaborative_')],
+        'model.attention.mixing_init': CONTROL_INITS[kind],
     }
     if kind == 'collaborative_ones_init_scaled':
       fields['model.attention.logit_scale'] = 1 / math.sqrt(emb_dim)

@@ -36,7 +36,7 @@ FAKE_GRID = textwrap.dedent("""
 """)
 
 
-def gpu_grid(tmp_path, *args, deadline, prepared=None, cwd=REPO_ROOT, **env):
+def gpu_grid(tmp_path, *args, deadline, cwd=REPO_ROOT, **env):
   """Runs experiments/gpu_grid.sh ARGS with the fake experiment importable, this venv's python
   first on PATH, no wheels, and OUT, RUNS and PREPARED under tmp_path."""
   (tmp_path / 'fake_experiment.py').write_text(FAKE_GRID)
@@ -46,7 +46,7 @@ def gpu_grid(tmp_path, *args, deadline, prepared=None, cwd=REPO_ROOT, **env):
       'RUNS': str(tmp_path / 'runs'),
       'DEADLINE': str(deadline),
       'WHEELS': str(tmp_path / 'no_wheels'),
-      'PREPARED': str(prepared or tmp_path / 'prepared'),
+      'PREPARED': str(tmp_path / 'prepared'),
       'PYTHONPATH': str(tmp_path),
       'PATH': f'{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ["PATH"]}',
       **env,
