@@ -231,13 +231,15 @@ def steps_of(row) -> int:
 
 def keep_translations(results, target: pathlib.Path) -> None:
   """Copies each finished run's final translations (`final_eval/<last step>/<split>.txt`) to
-  `target/<run>/`: the bootstrap reads them, and run directories may not survive."""
+  `target/<run>/`: the bootstrap reads them, and run directories may not survive. A run whose
+  directory is here wrote its entry, so its translations replace kept ones (a run trained
+  again, e.g. `--rerun_lost`); a run whose directory is gone keeps what was kept."""
   for entry in results['runs']:
     found = sorted(
         pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob('*/test.txt'),
         key=lambda p: int(p.parent.name),
     )
-    if not found or (target / entry['name']).is_dir():
+    if not found:
       continue
     (target / entry['name']).mkdir(parents=True, exist_ok=True)
     for split in REFERENCES:

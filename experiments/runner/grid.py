@@ -163,8 +163,8 @@ def run_grid(
     order, after each run that finishes (atomically), plus the failed and unfinished names.
     Entries it already holds for runs not in `runs` are kept (after them); a run whose
     directory is gone (a fresh machine) but whose entry it holds, with the same command up to
-    the interpreter's path, counts as finished: commit results.json and a grid resumes
-    anywhere.
+    the interpreter's path and the runs directory named in its arguments, counts as finished:
+    commit results.json and a grid resumes anywhere.
   runs_dir: the run directories' root (default `default_runs_dir(<out_dir's name>)`).
   cwd: the commands' working directory (default: the repository root); env: extra variables.
   refresh: collect finished runs again (after changing a collector), rewriting their DONE.
@@ -271,7 +271,7 @@ class _Grid:
       entry = files.read_json(self.rundir(run) / DONE_FILE)
       if entry is None:
         entry = self.recorded.get(run.name)
-        if entry is None or not _same_command(entry['command'], run.command):
+        if entry is None or not _same_command(entry['command'], run.command, self.runs_dir):
           continue
         if rerun_lost:
           _say(
@@ -288,7 +288,7 @@ class _Grid:
         continue
       if refresh:
         entry = self._refresh(run, entry)
-      if not _same_command(entry.get('command', run.command), run.command):
+      if not _same_command(entry.get('command', run.command), run.command, self.runs_dir):
         _say(
             f'grid: note: {run.name} finished with another command '
             f'({_quote(entry["command"])}); delete {self.rundir(run) / DONE_FILE} to run it '
@@ -580,9 +580,25 @@ def status(runs_dir: str | os.PathLike) -> list[dict[str, Any]]:
   return out
 
 
-def _same_command(recorded: Sequence[str], command: Sequence[str]) -> bool:
-  """The same command up to the interpreter's path (another checkout's virtualenv)."""
-  return list(recorded)[1:] == list(command)[1:]
+def _same_command(
+    recorded: Sequence[str], command: Sequence[str], runs_dir: pathlib.Path | None = None
+) -> bool:
+  """The same command up to the interpreter's path (another checkout's virtualenv) and, where
+  an argument holds this grid's `runs_dir` (a data set prepared beside the runs, say), up to
+  the runs directory it held when recorded (another machine's)."""
+  recorded, command = list(recorded)[1:], list(command)[1:]
+  if len(recorded) != len(command):
+    return False
+  here = str(runs_dir) if runs_dir is not None else None
+  for old, new in zip(recorded, command):
+    if old == new:
+      continue
+    if not here or here not in new:
+      return False
+    before, _, after = new.partition(here)
+    if not re.fullmatch(re.escape(before) + '/.+' + re.escape(after), old):
+      return False
+  return True
 
 
 def _collect(run: Run, rundir: pathlib.Path) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 compute from the models' FLOPs, the flatness check and the report (no training)."""
 
 import dataclasses
+import json
 import math
 import pathlib
 
@@ -280,3 +281,33 @@ def test_a_difference_between_single_seed_arms_claims_no_verdict():
   assert 'larger than both seed ranges' in two
   near = conv.difference(_summary('a', [2.00, 2.04]), _summary('b', [2.01, 2.02]), 'h = 8')
   assert 'within a seed range' in near
+
+
+def test_seed1_periodic_reads_the_last_periodic_evaluation(tmp_path):
+  """Seed 1's bits/char is its step-12,000 eval loss over ln 2 (not an earlier step's, not the
+  train split's); seed 0's comes from results.json; the differences are fixed minus concat."""
+  from experiments.bottleneck import seed1_periodic  # pylint: disable=g-import-not-at-top
+
+  runs, out = tmp_path / 'runs', tmp_path / 'out'
+  out.mkdir()
+  losses = {'fixed128-h8': 1.0, 'concat-h8': 1.1, 'fixed128-h32': 1.3, 'concat-h32': 1.2}
+  recorded = []
+  for i, (arm, loss) in enumerate(losses.items()):
+    name = f'{arm}-D256-lr0.003-12000st'
+    (runs / f'{name}-s1').mkdir(parents=True)
+    lines = [
+        {'step': 11000, 'split': 'eval', 'loss': 5.0},
+        {'step': 12000, 'split': 'eval', 'loss': loss},
+        {'step': 12000, 'split': 'train', 'loss': 7.0},
+    ]
+    (runs / f'{name}-s1' / 'metrics.jsonl').write_text(''.join(json.dumps(m) + '\n' for m in lines))
+    result = {'bits_per_char_periodic': 2.0 + i / 100, 'bits_per_char': 2.1}
+    recorded.append({'name': f'{name}-s0', 'result': result})
+  (out / 'results.json').write_text(json.dumps({'runs': recorded}))
+  got = seed1_periodic.main(str(runs), out)
+  arm = got['arms']['fixed128-h8-D256-lr0.003-12000st']
+  assert arm['seed1'] == pytest.approx(1.0 / math.log(2), abs=1e-4)
+  assert arm['seed0'] == 2.0
+  assert got['fixed_minus_concat_h8']['seed1'] == pytest.approx(-0.1 / math.log(2), abs=2e-4)
+  assert got['fixed_minus_concat_h32']['seed0'] == pytest.approx(0.02 - 0.03, abs=1e-9)
+  assert json.loads((out / 'seed1_periodic-12000st.json').read_text()) == got

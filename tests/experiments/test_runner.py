@@ -529,6 +529,25 @@ def test_committed_results_stand_for_lost_run_directories_and_other_runs_are_kep
   assert marks['a'].read_text() == 'xy'
 
 
+def test_a_recorded_run_stands_on_a_machine_with_another_runs_dir(tmp_path):
+  """A command naming its runs directory (a data set prepared beside the runs) matches its
+  record made under another runs directory; any other difference in that argument does not."""
+  out, mark = tmp_path / 'exp', tmp_path / 'a.count'
+
+  def run_in(runs_dir, suffix='tfds'):
+    command = [*py(f'open({str(mark)!r}, "a").write("x")'), f'--data={runs_dir}/{suffix}']
+    return runner.Run('a', command)
+
+  first = tmp_path / 'gpu_machine_runs'
+  runner.run_grid([run_in(first)], out, runs_dir=first)
+  shutil.rmtree(first)  # the run directories stayed on the other machine
+  here = tmp_path / 'runs_here'
+  runner.run_grid([run_in(here)], out, runs_dir=here)
+  assert mark.read_text() == 'x'
+  runner.run_grid([run_in(here, 'other')], out, runs_dir=here)
+  assert mark.read_text() == 'xx'
+
+
 def test_rerun_lost_runs_a_recorded_run_again_and_its_old_entry_stands_until_then(tmp_path):
   out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
   mark, stop = tmp_path / 'a.count', tmp_path / 'fail'

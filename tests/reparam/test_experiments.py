@@ -188,3 +188,28 @@ def test_from_scratch_report_bootstraps_kept_translations_against_concat(tmp_pat
   runs[0]['metrics'][0]['bleu'] += 0.5  # a recorded score its translations do not give
   with pytest.raises(ValueError, match='concat-k256-s0: test BLEU .* recorded'):
     from_scratch.report(results, base, args)
+
+
+def test_a_run_trained_again_replaces_its_kept_translations(tmp_path):
+  """A run whose directory holds final translations wrote the entry results.json has, so its
+  translations replace kept ones (a --rerun_lost run); a run whose directory is gone keeps
+  what was kept, and a run without final translations gets nothing."""
+  runs, kept = tmp_path / 'runs', tmp_path / 'translations'
+  for name, text in [('rerun', 'old'), ('lost', 'kept')]:
+    (kept / name).mkdir(parents=True)
+    for split in from_scratch.REFERENCES:
+      (kept / name / f'{split}.txt').write_text(f'{text} {split}\n')
+  for step, text in [(300, 'middle'), (600, 'new')]:  # the last step's are the final ones
+    (runs / 'rerun' / 'final_eval' / str(step)).mkdir(parents=True)
+    for split in from_scratch.REFERENCES:
+      (runs / 'rerun' / 'final_eval' / str(step) / f'{split}.txt').write_text(f'{text} {split}\n')
+  (runs / 'untranslated').mkdir(parents=True)
+  results = {
+      'runs_dir': str(runs),
+      'runs': [{'name': 'rerun'}, {'name': 'lost'}, {'name': 'untranslated'}],
+  }
+  from_scratch.keep_translations(results, kept)
+  for split in from_scratch.REFERENCES:
+    assert (kept / 'rerun' / f'{split}.txt').read_text() == f'new {split}\n'
+    assert (kept / 'lost' / f'{split}.txt').read_text() == f'kept {split}\n'
+  assert not (kept / 'untranslated').exists()
