@@ -2,6 +2,7 @@
 
     interval = stats.glue_difference({'rte': (labels, [a_seed0, a_seed1], [b_seed0, b_seed1])})
     interval = stats.bleu_difference(references, system_a, system_b)
+    interval = stats.bleu_contrast(references, [a, b, c, d], [1, -1, -1, 1])  # (d-c) - (b-a)
     print(interval)   # '+1.23 [+0.40, +2.05]' : B minus A, with its 95% interval
 
 Both systems are scored on the same resampled examples (Koehn 2004; sacreBLEU's paired
@@ -120,28 +121,43 @@ def bleu_difference(
   sentences' n-gram statistics, as sacreBLEU's own paired bootstrap does. A system is one
   list of hypotheses or a list of them (seeds): its BLEU is then the mean of its seeds' corpus
   BLEU on the same resample."""
+  return bleu_contrast(references, [system_a, system_b], [-1.0, 1.0], tokenize=tokenize, **kwargs)
+
+
+def bleu_contrast(
+    references: Sequence[str],
+    systems: Sequence[Sequence[str] | Sequence[Sequence[str]]],
+    weights: Sequence[float],
+    *,
+    tokenize: str = '13a',
+    **kwargs,
+) -> Interval:
+  """sum_k weights[k] * BLEU(systems[k]) on the same resampled sentences: B - A is weights
+  (-1, 1); a difference of differences, (D - C) - (B - A), is (1, -1, -1, 1) over A, B, C, D.
+  Systems as in `bleu_difference` (one list of hypotheses, or one per seed, averaged)."""
   from sacrebleu.metrics import BLEU  # pylint: disable=g-import-not-at-top
 
-  seeds_a, seeds_b = ([s] if isinstance(s[0], str) else list(s) for s in (system_a, system_b))
-  lengths = {len(h) for h in seeds_a + seeds_b}
+  if len(systems) != len(weights) or not systems:
+    raise ValueError(f'{len(systems)} systems and {len(weights)} weights: one weight each')
+  seeds = [[s] if isinstance(s[0], str) else list(s) for s in systems]
+  lengths = {len(h) for system in seeds for h in system}
   if lengths != {len(references)}:
     raise ValueError(
         f'{len(references)} references, hypotheses of lengths {sorted(lengths)}: every '
         'system must translate every sentence'
     )
   bleu = BLEU(tokenize=tokenize)
-  stats_a, stats_b = (
+  stats = [
       [
           np.asarray(bleu._extract_corpus_statistics(list(hyps), [list(references)]))  # pylint: disable=protected-access
-          for hyps in seeds
+          for hyps in system
       ]
-      for seeds in (seeds_a, seeds_b)
-  )
-  corpus = lambda stats: bleu._compute_score_from_stats(list(stats.sum(0))).score  # pylint: disable=protected-access
-  mean = lambda systems, i: np.mean([corpus(stats[i]) for stats in systems])
+      for system in seeds
+  ]
+  corpus = lambda counts: bleu._compute_score_from_stats(list(counts.sum(0))).score  # pylint: disable=protected-access
 
-  def difference(indices):
+  def contrast(indices):
     (i,) = indices
-    return mean(stats_b, i) - mean(stats_a, i)
+    return sum(w * np.mean([corpus(c[i]) for c in system]) for w, system in zip(weights, stats))
 
-  return bootstrap(difference, [len(references)], **kwargs)
+  return bootstrap(contrast, [len(references)], **kwargs)

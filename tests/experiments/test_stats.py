@@ -92,3 +92,29 @@ def test_bleu_difference_is_sacrebleus_corpus_difference_with_a_paired_interval(
   assert stats.corpus_bleu(references, seed_b) == pytest.approx(
       sacrebleu.corpus_bleu(seed_b, [references]).score
   )
+
+
+def test_bleu_contrast_is_the_weighted_sum_of_sacrebleus_scores_on_the_same_resamples():
+  """A difference of differences: its estimate is sacreBLEU's scores combined; it is exactly 0
+  on every resample when the two differences are the same systems; a contrast whose systems
+  differ only in the interaction's cell has an interval around that cell's difference."""
+  rng = np.random.default_rng(1)
+  words = 'two dogs run across a green field while a child watches them'.split()
+  references = [' '.join(rng.choice(words, rng.integers(5, 12))) for _ in range(150)]
+
+  def noisy(sentence, p):
+    return ' '.join([w for w in sentence.split() if rng.random() > p] or ['the'])
+
+  a, b, c, d = ([noisy(r, p) for r in references] for p in (0.4, 0.3, 0.35, 0.1))
+  score = lambda hyps: sacrebleu.corpus_bleu(hyps, [references]).score
+  got = stats.bleu_contrast(references, [a, b, c, d], [1, -1, -1, 1], samples=300)
+  assert got.estimate == pytest.approx((score(d) - score(c)) - (score(b) - score(a)), abs=1e-9)
+  assert got.low < got.estimate < got.high
+  same = stats.bleu_contrast(references, [a, b, a, b], [1, -1, -1, 1], samples=30)
+  assert (same.estimate, same.low, same.high) == (0.0, 0.0, 0.0)
+  # Against bleu_difference: (D - C) - (B - A) with B = A is D - C, resample by resample.
+  one = stats.bleu_contrast(references, [a, a, c, d], [1, -1, -1, 1], samples=200, seed=3)
+  two = stats.bleu_difference(references, c, d, samples=200, seed=3)
+  assert (one.low, one.high) == pytest.approx((two.low, two.high), abs=1e-9)
+  with pytest.raises(ValueError, match='one weight each'):
+    stats.bleu_contrast(references, [a, b], [1.0])

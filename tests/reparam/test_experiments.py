@@ -190,6 +190,51 @@ def test_from_scratch_report_bootstraps_kept_translations_against_concat(tmp_pat
     from_scratch.report(results, base, args)
 
 
+def test_narrowing_contrasts_the_lead_at_a_narrow_width_with_the_lead_at_full_width(tmp_path):
+  """(collaborative - concat at D~k) - (collaborative - concat at D) from kept translations of
+  the real references: sacreBLEU's scores combined, seeds averaged; a width without all four
+  cells (here 64: no collaborative) gets no row, and the controls are not in it."""
+  import os  # pylint: disable=g-import-not-at-top
+
+  import sacrebleu  # pylint: disable=g-import-not-at-top
+
+  data = os.environ['LOWRANK_ATTN_DATA']
+  refs = {
+      split: from_scratch.read_lines(os.path.join(data, path))
+      for split, path in from_scratch.REFERENCES.items()
+  }
+  rng = np.random.default_rng(1)
+  drop = lambda sentence, p: ' '.join(w for w in sentence.split() if rng.random() > p) or 'ein'
+  translations = tmp_path / 'translations'
+  rows, bleu = [], {}
+  cells = [
+      ('concat', 256, 0.3),
+      ('collaborative', 256, 0.25),
+      ('concat', 32, 0.4),
+      ('collaborative', 32, 0.2),
+      ('concat', 64, 0.35),
+      ('collaborative_concat_init', 256, 0.1),
+  ]
+  for kind, width, p in cells:
+    for seed in (0, 1):
+      name = f'{kind}-k{width}-s{seed}'
+      row = {'name': name, 'kind': kind, 'key_width': width, 'seed': seed, 'steps': 600}
+      for split, references in refs.items():
+        hyps = [drop(r, p) for r in references]
+        (translations / name).mkdir(parents=True, exist_ok=True)
+        (translations / name / f'{split}.txt').write_text(''.join(h + '\n' for h in hyps))
+        bleu[kind, width, seed, split] = sacrebleu.corpus_bleu(hyps, [references]).score
+        row[f'bleu_{split}'] = bleu[kind, width, seed, split]
+      rows.append(row)
+  (entry,) = from_scratch.narrowing(rows, 256, translations)
+  assert (entry['key_width'], entry['steps'], entry['seeds']) == (32, 600, 2)
+  for split in refs:
+    mean = lambda kind, width: np.mean([bleu[kind, width, s, split] for s in (0, 1)])
+    lead = lambda width: mean('collaborative', width) - mean('concat', width)
+    assert entry[split]['estimate'] == pytest.approx(lead(32) - lead(256), abs=1e-9)
+    assert entry[split]['low'] < entry[split]['estimate'] < entry[split]['high']
+
+
 def test_a_run_trained_again_replaces_its_kept_translations(tmp_path):
   """A run whose directory holds final translations wrote the entry results.json has, so its
   translations replace kept ones (a --rerun_lost run); a run whose directory is gone keeps
