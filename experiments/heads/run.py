@@ -42,14 +42,18 @@ training had converged, so 600 steps let a converged model settle again after a 
   3. prune-random-<types>-k<K>-s<seed> (seeds 0, 1, 2) and prune-importance-<types>-k<K>
      (Michel et al.'s global order from `analyse`): the baseline pruned to each K that a
      lambda left (`steps evaluate --prune_only`; a K of every head has no control to prune).
-  4. random-<types>-k<K>-s<seed>-ft, importance-<types>-k<K>-ft: each pruned copy fine-tuned
-     like the L0 runs (the pruned heads are gone from the copy, so they stay pruned).
+     prune-l0heads-<types>-<lambda>: the baseline pruned to exactly the heads that lambda's L0
+     run kept (`--prune mask`; for each lambda that closed some heads but not all of them).
+  4. random-<types>-k<K>-s<seed>-ft, importance-<types>-k<K>-ft, l0heads-<types>-<lambda>-ft:
+     each pruned copy fine-tuned like the L0 runs (the pruned heads are gone from the copy, so
+     they stay pruned). l0heads separates L0's choice of heads from what its gates do during
+     the fine-tune: the same heads, removed before a fine-tune without gates.
 The report (`voita_report`) reads each fine-tune's own final evaluation (BLEU on validation and
 test), keeps its translations in heads/voita/translations/<run>/ and states B - A with 95%
 paired bootstrap intervals (`experiments.stats.bleu_difference`, random's seeds averaged): each
 system against the no-gates fine-tune (that one against the baseline), and each L0 run against
-random and importance pruning at its own K; every BLEU is recomputed from the kept translations
-first and must equal the recorded one.
+random and importance pruning at its own K and against its own heads pruned first; every BLEU
+is recomputed from the kept translations first and must equal the recorded one.
 """
 
 import dataclasses
@@ -459,6 +463,7 @@ LABELS = {  # method -> its name in the tables and plots
     'l0': 'L0 gates + whole model',
     'random': 'random + fine-tune',
     'importance': 'importance + fine-tune',
+    'l0heads': "L0's heads pruned first + fine-tune",
 }
 
 
@@ -667,6 +672,47 @@ def control_runs(
   return prunes, finetunes
 
 
+def l0_heads_runs(
+    b: Base, runs_dir: pathlib.Path, s: Settings, counts: dict[tuple[str, float], dict]
+) -> tuple[list[runner.Run], list[runner.Run]]:
+  """Stages 3 and 4 for one more control: for each L0 run that closed some heads of its types
+  but not all (`surviving`), the baseline pruned to exactly the heads it kept (`steps evaluate
+  --prune mask` from its eval run), then fine-tuned like the other controls, without gates."""
+  finetune = finetune_overrides(b, s)
+  prunes, finetunes = [], []
+  for (types, lam), c in counts.items():
+    if not 0 < c['k'] < c['of']:  # all kept: the no-gates fine-tune; none: the K = 0 control
+      continue
+    name = f'prune-l0heads-{voita_name(types, lam).removeprefix("voita-")}'
+    prunes.append(
+        runner.Run(
+            name,
+            steps(
+                'evaluate',
+                '--run',
+                b.path,
+                '--out',
+                '{rundir}',
+                '--prune',
+                'mask',
+                '--mask_from',
+                runs_dir / f'{voita_name(types, lam)}-eval',
+                '--prune_only',
+            ),
+            config={'method': 'prune', 'pruning': 'l0heads', 'types': types, 'lambda': lam},
+        )
+    )
+    pruned = runs_dir / name / 'pruned'
+    run = runner.train_run(
+        name.removeprefix('prune-') + '-ft',
+        f'experiments/heads/glue_pruning.py:{pruned}',
+        overrides={'init_from': str(pruned), **b.data, **finetune},
+    )
+    record = {'types': types, 'lambda': lam, 'k': c['k'], 'random_seed': None}
+    finetunes.append(_record(run, method='l0heads', pruned_by=name, **record))
+  return prunes, finetunes
+
+
 def finished(results, runs) -> bool:
   done = {entry['name'] for entry in results['runs']}
   return all(run.name in done for run in runs)
@@ -681,12 +727,19 @@ def voita_grid(b: Base, runs_dir: pathlib.Path, out: pathlib.Path, s: Settings, 
       exit_on_failure=False,
       **runner.grid_options(args),
   )
+
+  def controls(results):
+    counts = surviving(results, s)
+    prunes, finetunes = control_runs(b, runs_dir, s, control_counts(counts))
+    l0_prunes, l0_finetunes = l0_heads_runs(b, runs_dir, s, counts)
+    return prunes + l0_prunes, finetunes + l0_finetunes
+
   runs = voita_first(b, s)
   results = grid_(runs)
   for stage in (
       lambda: voita_evals(runs_dir, s),
-      lambda: control_runs(b, runs_dir, s, control_counts(surviving(results, s)))[0],
-      lambda: control_runs(b, runs_dir, s, control_counts(surviving(results, s)))[1],
+      lambda: controls(results)[0],
+      lambda: controls(results)[1],
   ):
     if not finished(results, runs):
       print('voita: the next stage needs every run above; rerun when they are done')
@@ -778,7 +831,8 @@ def comparison_pairs(rows: list[dict]) -> list[dict]:
   """The differences the report states, each B - A with the runs of A and of B (seeds of a
   random K are one system): every method against the no-gates fine-tune at the same budget
   (and that fine-tune against the baseline), and each L0 run against random pruning (its
-  seeds averaged) and importance pruning at the L0 run's own head count, both fine-tuned."""
+  seeds averaged) and importance pruning at the L0 run's own head count, both fine-tuned, and
+  against its own heads pruned from the baseline first, fine-tuned without gates (l0heads)."""
   groups = {}
   for row in rows:
     groups.setdefault(group_key(row), []).append(row)
@@ -794,6 +848,9 @@ def comparison_pairs(rows: list[dict]) -> list[dict]:
       pairs.append({'kind': 'minus_nogates', **what, 'a': names(nogates), 'b': names(members)})
     if method != 'l0' or k is None:
       continue
+    own = groups.get(('l0heads', types, lam, k))
+    if own:
+      pairs.append({'kind': 'l0_minus_l0heads', **what, 'a': names(own), 'b': names(members)})
     for other in ('random', 'importance'):
       control = groups.get((other, types, None, k))
       if k == 0:  # one control for both at K = 0 (`control_runs`)
@@ -964,6 +1021,8 @@ def voita_report(results, b_path, out: pathlib.Path, s: Settings, images: str) -
           ('L0 − random, test [95%]', matched('l0_minus_random', 'test')),
           ('L0 − importance, val [95%]', matched('l0_minus_importance', 'validation')),
           ('L0 − importance, test [95%]', matched('l0_minus_importance', 'test')),
+          ('L0 − its heads pruned first, val [95%]', matched('l0_minus_l0heads', 'validation')),
+          ('L0 − its heads pruned first, test [95%]', matched('l0_minus_l0heads', 'test')),
           ('test BLEU gated / pruned copy', gated_pruned),
       ],
       floatfmt='.2f',
@@ -1017,7 +1076,9 @@ def voita_report(results, b_path, out: pathlib.Path, s: Settings, images: str) -
           'L0 against the controls pruned to its own head count K, both fine-tuned the same '
           'way (a λ that closes no gate has no control: the no-gates fine-tune is it; at K = 0 '
           'random and importance pruning remove the same heads, all of them, and one '
-          'fine-tuned copy is the control of both columns):',
+          'fine-tuned copy is the control of both columns; "its heads pruned first": the '
+          'baseline pruned to the heads the L0 run kept, then fine-tuned without gates, which '
+          "separates L0's choice of heads from what its gates do during the fine-tune):",
           '',
           table_l0 if l0_lines else '(none yet)\n',
           f'![BLEU vs encoder heads]({images}bleu_encoder.png) '

@@ -3,7 +3,7 @@
     python -m experiments.heads.steps analyse  --run=BASE --out=DIR [--max_batches=N]
     python -m experiments.heads.steps evaluate --run=RUN --out=DIR [--prune=gates|importance|random
         --keep=K --types=encoder|all --importance=ANALYSE_DIR --seed=S [--prune_only]]
-        [--num_sentences=N]
+        [--prune=mask --mask_from=EVAL_DIR] [--num_sentences=N]
     python -m experiments.heads.steps retrain  --pruned=DIR --out=DIR --steps=N [--lr=X]
 
 analyse   head importance (Michel et al., per layer L2-normalised and raw) and confidence (Voita
@@ -12,7 +12,9 @@ evaluate  test BLEU (test_2016_flickr, sacreBLEU) of a run, or of a pruned copy 
           DIR/pruned: the heads with eval gate > 0 (gates; the gated model is scored too, and
           must score the same), the K most important heads by ANALYSE_DIR's normalised
           importance ranked over the types pruned (importance; Michel et al.'s global ranking),
-          or K random heads (random) -> DIR/result.json. --prune_only: the pruned copy, its
+          K random heads (random), or exactly the heads another evaluate run kept (mask, from
+          EVAL_DIR/result.json's `keep`: an L0 run's heads pruned in another model)
+          -> DIR/result.json. --prune_only: the pruned copy, its
           heads and size, no BLEU (the pruned model is fine-tuned and scored by that run).
 retrain   trains a pruned copy (a run written by evaluate) for N steps from its parameters, then
           scores it as evaluate does (Michel et al.'s "retrain after pruning").
@@ -152,6 +154,9 @@ def keep_mask(args, model) -> dict:
 
   if args.prune == 'gates':
     return pruning.keep_from_gates(model)
+  if args.prune == 'mask':  # `prune_run` checks it against the model (types, shapes)
+    kept = json.loads((pathlib.Path(args.mask_from) / RESULT_FILE).read_text())['keep']
+    return {t: np.asarray(k, bool) for t, k in kept.items()}
   counts = pruning.head_counts(model)
   types = ['encoder'] if args.types == 'encoder' else list(counts)
   if args.prune == 'importance':
@@ -253,13 +258,16 @@ def main(argv=None):
   analyse_parser.add_argument('--batch_size', type=int, default=32)
   analyse_parser.add_argument('--max_batches', type=int, default=0, help='0: the whole split')
   evaluate_parser = commands.choices['evaluate']
-  evaluate_parser.add_argument('--prune', choices=('gates', 'importance', 'random'))
+  evaluate_parser.add_argument('--prune', choices=('gates', 'importance', 'random', 'mask'))
   evaluate_parser.add_argument(
       '--keep', type=int, default=0, help='heads kept (importance, random)'
   )
   evaluate_parser.add_argument('--types', choices=('encoder', 'all'), default='encoder')
   evaluate_parser.add_argument('--importance', help='an analyse output directory')
   evaluate_parser.add_argument('--seed', type=int, default=0)
+  evaluate_parser.add_argument(
+      '--mask_from', help="mask: an evaluate output directory whose result.json has 'keep'"
+  )
   evaluate_parser.add_argument(
       '--prune_only',
       action='store_true',
@@ -272,6 +280,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.command == 'evaluate' and args.prune == 'importance' and not args.importance:
     parser.error('--prune=importance needs --importance=<analyse output directory>')
+  if args.command == 'evaluate' and args.prune == 'mask' and not args.mask_from:
+    parser.error('--prune=mask needs --mask_from=<evaluate output directory>')
   {'analyse': analyse, 'evaluate': evaluate, 'retrain': retrain}[args.command](args)
 
 

@@ -3,6 +3,7 @@
 the stages (each after the one it reads), the head counts K of the controls taken from the
 finished L0 runs, the comparisons the report states, and the check of kept translations."""
 
+import json
 import pathlib
 
 import pytest
@@ -180,6 +181,44 @@ def test_controls_prune_to_those_counts_and_fine_tune_like_the_l0_runs():
     assert (finetune.config['k'], finetune.config['random_seed']) == (k, seed)
 
 
+def test_l0_heads_control_prunes_the_baseline_to_each_l0_runs_own_heads():
+  """One control per L0 run that closed some of its types' heads but not all: the baseline
+  pruned with that run's eval mask, then the same fine-tune as the other controls."""
+  s = run.Settings(smoke=False)
+  counts = run.surviving(finished_results(), s)
+  counts['enc', 0.3] = {'k': 0, 'of': 24}  # every encoder head closed: K = 0's control
+  prunes, finetunes = run.l0_heads_runs(BASE, RUNS_DIR, s, counts)
+  assert [p.name for p in prunes] == [
+      'prune-l0heads-enc-0.03',
+      'prune-l0heads-enc-0.1',
+      'prune-l0heads-all-0.1',
+  ]
+  assert [f.name for f in finetunes] == [p.name.removeprefix('prune-') + '-ft' for p in prunes]
+  _, others = run.control_runs(BASE, RUNS_DIR, s, {'enc': [16]})
+  for prune, finetune in zip(prunes, finetunes):
+    lam = finetune.config['lambda']
+    types = finetune.config['types']
+    assert flag(prune, '--prune') == 'mask' and '--prune_only' in prune.command
+    assert flag(prune, '--mask_from') == f'/runs/heads/voita-{types}-{lam:g}-eval'
+    assert flag(prune, '--run') == '/runs/base'
+    pruned = f'/runs/heads/{prune.name}/pruned'
+    assert overrides_of(finetune) == {**overrides_of(others[0]), 'init_from': pruned}
+    assert finetune.config['k'] == counts[types, lam]['k']
+    assert (finetune.config['method'], finetune.config['pruned_by']) == ('l0heads', prune.name)
+
+
+def test_mask_pruning_keeps_exactly_the_heads_an_eval_run_kept(tmp_path):
+  from experiments.heads import steps  # pylint: disable=g-import-not-at-top
+
+  keep = keep_with(16, 10)
+  (tmp_path / steps.RESULT_FILE).write_text(json.dumps({'keep': keep}))
+  args = type('Args', (), {'prune': 'mask', 'mask_from': str(tmp_path)})()
+  got = steps.keep_mask(args, model=None)
+  assert set(got) == set(keep)
+  for t, mask in keep.items():
+    assert got[t].dtype == bool and got[t].tolist() == [[bool(h) for h in layer] for layer in mask]
+
+
 def test_each_stage_starts_after_the_one_it_reads(monkeypatch):
   """A fake run_grid finishes whatever it is given: four calls, each adding one stage."""
   s = run.Settings(smoke=False)
@@ -207,6 +246,7 @@ def test_each_stage_starts_after_the_one_it_reads(monkeypatch):
       for (k,) in ks
       for n in [f'prune-random-enc-k{k}-s{i}' for i in (0, 1, 2)] + [f'prune-importance-enc-k{k}']
   ]
+  prunes += ['prune-l0heads-enc-0.03', 'prune-l0heads-enc-0.1']
   finetunes = [n.removeprefix('prune-') + '-ft' for n in prunes]
   assert calls == [first, first + evals, first + evals + prunes, first + evals + prunes + finetunes]
 
@@ -250,6 +290,8 @@ ROWS = [
     *[row(f'random-all-k54-s{i}-ft', 'random', 'all', k=54, seed=i) for i in (0, 1, 2)],
     row('importance-all-k54-ft', 'importance', 'all', k=54),
     row('random-enc-k16-s0-ft', 'random', 'enc', k=16, seed=0),  # another lambda's K
+    row('l0heads-all-0.1-ft', 'l0heads', 'all', 0.1, 54),
+    row('l0heads-enc-0.3-ft', 'l0heads', 'enc', 0.3, 9),  # another lambda at the same K
 ]
 
 
@@ -272,6 +314,8 @@ def test_comparisons_are_against_the_no_gates_fine_tune_and_at_matched_counts():
       ('minus_nogates', 'random', 'enc', None, 16): (nogates, ['random-enc-k16-s0-ft']),
       ('minus_nogates', 'random', 'all', None, 54): (nogates, random_all),
       ('minus_nogates', 'importance', 'all', None, 54): (nogates, ['importance-all-k54-ft']),
+      ('minus_nogates', 'l0heads', 'all', 0.1, 54): (nogates, ['l0heads-all-0.1-ft']),
+      ('minus_nogates', 'l0heads', 'enc', 0.3, 9): (nogates, ['l0heads-enc-0.3-ft']),
       # L0 against the controls at its own K (lambda 0.01 kept every head: no control)
       ('l0_minus_random', 'l0', 'enc', 0.1, 9): (random_enc, ['voita-enc-0.1']),
       ('l0_minus_importance', 'l0', 'enc', 0.1, 9): (['importance-enc-k9-ft'], ['voita-enc-0.1']),
@@ -280,6 +324,8 @@ def test_comparisons_are_against_the_no_gates_fine_tune_and_at_matched_counts():
           ['importance-all-k54-ft'],
           ['voita-all-0.1'],
       ),
+      # and against its own heads pruned first: only the same lambda's (not enc 0.3's at K 9)
+      ('l0_minus_l0heads', 'l0', 'all', 0.1, 54): (['l0heads-all-0.1-ft'], ['voita-all-0.1']),
   }
 
 
