@@ -193,12 +193,12 @@ def converted(source, task, seed, method, key_dim, args, runs_dir) -> pathlib.Pa
 
 def keep_predictions(results, args) -> None:
   """Copies each finished run's dev predictions next to the results (the bootstrap reads
-  them; run directories may not survive)."""
+  them; run directories may not survive). A run whose directory is here wrote its entry, so its
+  predictions replace kept ones (a run trained again); a run whose directory is gone keeps
+  what was kept."""
   target = args.out / 'predictions'
   for entry in results['runs']:
     path = target / f'{entry["name"]}.json'
-    if path.exists():
-      continue
     found = sorted(
         pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob(f'*/{PREDICTIONS}'),
         key=lambda p: int(p.parent.name),  # the last step's ('10' after '9')

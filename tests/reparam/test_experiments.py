@@ -258,3 +258,23 @@ def test_a_run_trained_again_replaces_its_kept_translations(tmp_path):
     assert (kept / 'rerun' / f'{split}.txt').read_text() == f'new {split}\n'
     assert (kept / 'lost' / f'{split}.txt').read_text() == f'kept {split}\n'
   assert not (kept / 'untranslated').exists()
+
+
+def test_a_glue_run_trained_again_replaces_its_kept_predictions(tmp_path):
+  """As for translations: the run directory's last final evaluation wins over kept
+  predictions, and a run whose directory is gone keeps its kept ones."""
+  import argparse  # pylint: disable=g-import-not-at-top
+
+  from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
+
+  runs, out = tmp_path / 'runs', tmp_path / 'out'
+  (out / 'predictions').mkdir(parents=True)
+  for name in ('rerun', 'lost'):
+    (out / 'predictions' / f'{name}.json').write_text('"kept"')
+  for step, text in [(9, '"middle"'), (10, '"new"')]:  # step 10 is the last (not '9' > '10')
+    (runs / 'rerun' / 'final_eval' / str(step)).mkdir(parents=True)
+    (runs / 'rerun' / 'final_eval' / str(step) / glue_reparam.PREDICTIONS).write_text(text)
+  results = {'runs_dir': str(runs), 'runs': [{'name': 'rerun'}, {'name': 'lost'}]}
+  glue_reparam.keep_predictions(results, argparse.Namespace(out=out))
+  assert (out / 'predictions' / 'rerun.json').read_text() == '"new"'
+  assert (out / 'predictions' / 'lost.json').read_text() == '"kept"'
