@@ -247,6 +247,7 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
   """Mean dev score per task over seeds for each (method, D~k), their average, and B - A of
   the average against the control with its paired bootstrap interval (`experiments.stats`)."""
   from experiments import stats  # pylint: disable=g-import-not-at-top  (imports JAX)
+  from lowrank_attn.tasks.glue import glue_metrics  # pylint: disable=g-import-not-at-top
 
   tasks = [t for t in TASKS if any(r['task'] == t for r in rows)]
   groups = {}
@@ -259,11 +260,21 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
   )
 
   def predictions(group_rows, task):
-    found = [
-        json.loads((predictions_dir / f'{r["name"]}.json').read_text())
-        for r in group_rows
-        if r['task'] == task and (predictions_dir / f'{r["name"]}.json').exists()
-    ]
+    """Each seed's kept dev predictions and the labels; refused unless they score what the
+    run recorded (else they are not that run's, or not in the labels' order)."""
+    found = []
+    for r in group_rows:
+      path = predictions_dir / f'{r["name"]}.json'
+      if r['task'] != task or not path.exists():
+        continue
+      kept = json.loads(path.read_text())
+      recomputed = glue_metrics(task, kept['predictions'], kept['labels'])['score']
+      if abs(recomputed - r['score']) > 1e-6:
+        raise ValueError(
+            f'{r["name"]}: its kept predictions ({path}) score {recomputed:.4f}, the run '
+            f'recorded {r["score"]:.4f}'
+        )
+      found.append(kept)
     return ([f['predictions'] for f in found], found[0]['labels']) if found else ([], None)
 
   summary = []

@@ -278,3 +278,78 @@ def test_a_glue_run_trained_again_replaces_its_kept_predictions(tmp_path):
   glue_reparam.keep_predictions(results, argparse.Namespace(out=out))
   assert (out / 'predictions' / 'rerun.json').read_text() == '"new"'
   assert (out / 'predictions' / 'lost.json').read_text() == '"kept"'
+
+
+def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
+  """Two tasks, the control (the original fine-tuned again) and one method, two seeds each,
+  predictions made by hand: each cell is the mean of the recorded scores, the average is over
+  the tasks, the interval's estimate is the difference of those averages computed with plain
+  numpy formulas (accuracy; the mean of Pearson and Spearman), and predictions that do not
+  score what a run recorded are refused."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(0)
+  labels = {'rte': rng.integers(0, 2, 60), 'stsb': rng.uniform(0, 5, 80)}
+
+  def ranks(x):
+    return np.argsort(np.argsort(x)).astype(float)  # no ties among these floats
+
+  def score(task, p):
+    y = labels[task]
+    if task == 'rte':
+      return 100 * np.mean(p == y)
+    pearson = np.corrcoef(p, y)[0, 1]
+    return 100 * (pearson + np.corrcoef(ranks(p), ranks(y))[0, 1]) / 2
+
+  def predict(task, noise):
+    y = labels[task]
+    if task == 'rte':
+      return np.where(rng.random(len(y)) < noise, 1 - y, y)
+    return y + rng.normal(0, 5 * noise, len(y))
+
+  predictions_dir = tmp_path / 'predictions'
+  predictions_dir.mkdir()
+  rows, scores = [], {}
+  systems = [('original', None, 1, 0.3), ('original', None, 2, 0.3), ('collaborative', 96, 2, 0.2)]
+  for method, key_dim, stage, noise in systems:
+    for task in labels:
+      for seed in ((0,) if stage == 1 else (0, 1)):
+        name = f'{task}-{method}-{key_dim}-st{stage}-s{seed}'
+        p = predict(task, noise)
+        kept = {'predictions': p.tolist(), 'labels': labels[task].tolist()}
+        (predictions_dir / f'{name}.json').write_text(json.dumps(kept))
+        scores[name] = score(task, p)
+        rows.append(
+            {
+                'name': name,
+                'task': task,
+                'method': method,
+                'key_dim': key_dim,
+                'stage': stage,
+                'seed': seed,
+                'score': scores[name],
+            }
+        )
+  _, summary = glue_reparam.glue_table(rows, predictions_dir, errors={})
+  by = {(e['method'], e['key_dim']): e for e in summary}
+  mean = lambda method, key_dim, stage, task: np.mean(
+      [scores[f'{task}-{method}-{key_dim}-st{stage}-s{s}'] for s in (0, 1)]
+  )
+  collaborative = by['collaborative', 96]
+  for task in labels:
+    assert collaborative[task] == pytest.approx(mean('collaborative', 96, 2, task), abs=1e-9)
+  expected = np.mean(
+      [mean('collaborative', 96, 2, t) - mean('original', None, 2, t) for t in labels]
+  )
+  assert collaborative['average'] == pytest.approx(
+      np.mean([mean('collaborative', 96, 2, t) for t in labels]), abs=1e-9
+  )
+  assert collaborative['difference']['estimate'] == pytest.approx(expected, abs=1e-6)
+  assert collaborative['difference']['low'] < expected < collaborative['difference']['high']
+  assert 'difference' not in by['original, fine-tuned again', None]  # the control itself
+
+  rows[-1]['score'] += 0.5  # a recorded score its kept predictions do not give
+  with pytest.raises(ValueError, match=f'{rows[-1]["name"]}: its kept predictions'):
+    glue_reparam.glue_table(rows, predictions_dir, errors={})
