@@ -652,15 +652,25 @@ def keep_analyses(results, args) -> None:
 
 def _predictions(args, row):
   """(predictions, labels) of a row's model: its run's (`predictions/<name>.json`) or its
-  analysis point's; None if not kept."""
+  analysis point's; None if not kept. Refused unless they give the row's recorded score (else
+  they are not that model's, or not in the labels' order)."""
+  from lowrank_attn.tasks.glue import glue_metrics  # pylint: disable=g-import-not-at-top
+
   name, key = row['source']
   path = args.out / 'predictions' / f'{name}.json'
   if not path.exists():
     return None
   found = json.loads(path.read_text())
-  if key is None:
-    return found['predictions'], found['labels']
-  return (found[key], found['labels']) if key in found else None
+  if (key or 'predictions') not in found:
+    return None
+  predictions = found[key or 'predictions']
+  recomputed = glue_metrics(row['task'], predictions, found['labels'])['score']
+  if abs(recomputed - row['score']) > 1e-6:
+    raise ValueError(
+        f'{name}{"" if key is None else f" ({key})"}: its kept predictions score '
+        f'{recomputed:.4f}, {row["score"]:.4f} recorded'
+    )
+  return predictions, found['labels']
 
 
 def _interval(task, a_rows, b_rows, args) -> dict | None:

@@ -145,3 +145,26 @@ def test_role_shares_count_the_survivors_with_roles():
   marked = {h for h, labels in roles.items() if labels}
   expected = sum(len(marked & set(d)) >= 2 for d in draws) / len(draws)
   assert shares['any']['p_at_least'] == pytest.approx(expected)
+
+
+def test_kept_predictions_must_give_the_recorded_score(tmp_path):
+  """A run's predictions and an analysis point's (a key in the same file) are read only when
+  they give the row's recorded score (plain accuracy here); a missing key is None."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+
+  labels = [1, 0, 1, 1, 0, 0, 1, 0]
+  run_predictions = [1, 0, 1, 0, 0, 0, 1, 1]  # 6 of 8
+  level = [0, 0, 1, 0, 1, 0, 1, 1]  # 4 of 8
+  (tmp_path / 'predictions').mkdir()
+  kept = {'predictions': run_predictions, 'labels': labels, 'level-0.3': level}
+  (tmp_path / 'predictions' / 'rte-ft.json').write_text(json.dumps(kept))
+  args = argparse.Namespace(out=tmp_path)
+  row = lambda key, score: {'task': 'rte', 'score': score, 'source': ('rte-ft', key)}
+  assert gp._predictions(args, row(None, 75.0)) == (run_predictions, labels)
+  assert gp._predictions(args, row('level-0.3', 50.0)) == (level, labels)
+  assert gp._predictions(args, row('level-0.5', 50.0)) is None
+  with pytest.raises(ValueError, match=r'rte-ft \(level-0.3\): its kept predictions score'):
+    gp._predictions(args, row('level-0.3', 62.5))
+  with pytest.raises(ValueError, match='rte-ft: its kept predictions score 75.0000'):
+    gp._predictions(args, row(None, 50.0))
