@@ -164,7 +164,8 @@ def run_grid(
     Entries it already holds for runs not in `runs` are kept (after them); a run whose
     directory is gone (a fresh machine) but whose entry it holds, with the same command up to
     the interpreter's path and the runs directory named in its arguments, counts as finished:
-    commit results.json and a grid resumes anywhere.
+    commit results.json and a grid resumes anywhere. Each write merges the file as it is then
+    (under a lock on `out_dir`), so grids of one experiment may run side by side.
   runs_dir: the run directories' root (default `default_runs_dir(<out_dir's name>)`).
   cwd: the commands' working directory (default: the repository root); env: extra variables.
   refresh: collect finished runs again (after changing a collector), rewriting their DONE.
@@ -553,7 +554,17 @@ class _Grid:
     }
 
   def write_results(self) -> None:
-    files.write_json(self.results_path, self.results())
+    """results.json as it is now, merged: another grid writing the same file meanwhile (two
+    stages of one experiment side by side) keeps its entries; this grid's runs are its own."""
+    lock = os.open(self.results_path.parent, os.O_RDONLY)  # the folder: the file is replaced
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      names = {run.name for run in self.runs}
+      found = (files.read_json(self.results_path) or {}).get('runs', [])
+      self.kept = [entry for entry in found if entry['name'] not in names]
+      files.write_json(self.results_path, self.results())
+    finally:
+      os.close(lock)
 
 
 def status(runs_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -608,3 +608,19 @@ def test_pinned_runs_each_get_cpus_of_their_own_and_single_threaded_xla(tmp_path
         pin_cpus=True,
     )
   assert not (tmp_path / 'exp2').exists()  # refused before anything was made
+
+
+def test_two_grids_writing_one_results_file_keep_each_others_runs(tmp_path):
+  """Grid A reads results.json, then its run starts grid B on the same file, which finishes
+  'b' first; A's own write must merge what B wrote, not restore the file it read."""
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  inner = textwrap.dedent(f"""
+      from experiments.runner import Run, run_grid
+      import sys
+      run_grid([Run('b', [sys.executable, '-c', 'pass'])], {str(out)!r}, runs_dir={str(runs_dir)!r})
+  """)
+  env = {**os.environ, 'PYTHONPATH': str(REPO_ROOT)}
+  a = runner.Run('a', [sys.executable, '-c', inner])
+  results = runner.run_grid([a], out, runs_dir=runs_dir, env=env)
+  assert names(runner.load_results(out)) == ['a', 'b']
+  assert names(results) == ['a', 'b']
