@@ -637,39 +637,39 @@ def control_runs(
       for method, seeds in methods:
         for seed in seeds:
           how = ['--seed', seed] if method == 'random' else ['--importance', runs_dir / 'analyse']
-          record = {'types': types, 'k': k, 'random_seed': seed}
-          name = prune_name(method, types, k, seed)
-          prunes.append(
-              runner.Run(
-                  name,
-                  steps(
-                      'evaluate',
-                      '--run',
-                      b.path,
-                      '--out',
-                      '{rundir}',
-                      '--prune',
-                      method,
-                      '--keep',
-                      k,
-                      '--types',
-                      TYPE_ARGS[types],
-                      *how,
-                      '--prune_only',
-                  ),
-                  seed=seed,
-                  config={'method': 'prune', 'pruning': method, **record},
-              )
+          prune, run = _prune_then_finetune(
+              b,
+              runs_dir,
+              finetune,
+              names=(prune_name(method, types, k, seed), finetune_name(method, types, k, seed)),
+              how=[method, '--keep', k, '--types', TYPE_ARGS[types], *how],
+              method=method,
+              record={'types': types, 'k': k, 'random_seed': seed},
           )
-          pruned = runs_dir / name / 'pruned'
-          run = runner.train_run(
-              finetune_name(method, types, k, seed),
-              # the pruned copy's own config: its per-layer head counts are no override
-              f'experiments/heads/glue_pruning.py:{pruned}',
-              overrides={'init_from': str(pruned), **b.data, **finetune},
-          )
-          finetunes.append(_record(run, method=method, pruned_by=name, **record))
+          prunes.append(prune)
+          finetunes.append(run)
   return prunes, finetunes
+
+
+def _prune_then_finetune(b, runs_dir, finetune, names, how, method, record):
+  """A control's two runs: `steps evaluate --prune <how...> --prune_only` writes the pruned
+  copy of the baseline; the fine-tune trains it with the L0 runs' budget (`finetune`)."""
+  name, finetuned = names
+  seed = record.get('random_seed')
+  prune = runner.Run(
+      name,
+      steps('evaluate', '--run', b.path, '--out', '{rundir}', '--prune', *how, '--prune_only'),
+      seed=seed,
+      config={'method': 'prune', 'pruning': method, **record},
+  )
+  pruned = runs_dir / name / 'pruned'
+  run = runner.train_run(
+      finetuned,
+      # the pruned copy's own config: its per-layer head counts are no override
+      f'experiments/heads/glue_pruning.py:{pruned}',
+      overrides={'init_from': str(pruned), **b.data, **finetune},
+  )
+  return prune, _record(run, method=method, pruned_by=name, **record)
 
 
 def l0_heads_runs(
@@ -684,32 +684,17 @@ def l0_heads_runs(
     if not 0 < c['k'] < c['of']:  # all kept: the no-gates fine-tune; none: the K = 0 control
       continue
     name = f'prune-l0heads-{voita_name(types, lam).removeprefix("voita-")}'
-    prunes.append(
-        runner.Run(
-            name,
-            steps(
-                'evaluate',
-                '--run',
-                b.path,
-                '--out',
-                '{rundir}',
-                '--prune',
-                'mask',
-                '--mask_from',
-                runs_dir / f'{voita_name(types, lam)}-eval',
-                '--prune_only',
-            ),
-            config={'method': 'prune', 'pruning': 'l0heads', 'types': types, 'lambda': lam},
-        )
+    prune, run = _prune_then_finetune(
+        b,
+        runs_dir,
+        finetune,
+        names=(name, name.removeprefix('prune-') + '-ft'),
+        how=['mask', '--mask_from', runs_dir / f'{voita_name(types, lam)}-eval'],
+        method='l0heads',
+        record={'types': types, 'lambda': lam, 'k': c['k'], 'random_seed': None},
     )
-    pruned = runs_dir / name / 'pruned'
-    run = runner.train_run(
-        name.removeprefix('prune-') + '-ft',
-        f'experiments/heads/glue_pruning.py:{pruned}',
-        overrides={'init_from': str(pruned), **b.data, **finetune},
-    )
-    record = {'types': types, 'lambda': lam, 'k': c['k'], 'random_seed': None}
-    finetunes.append(_record(run, method='l0heads', pruned_by=name, **record))
+    prunes.append(prune)
+    finetunes.append(run)
   return prunes, finetunes
 
 
