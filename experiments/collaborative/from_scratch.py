@@ -277,10 +277,7 @@ def intervals(rows, emb_dim: int, translations: pathlib.Path) -> list[dict]:
   controls against concat at D~k = D. Each corpus BLEU recomputed from the kept translations
   must equal the recorded one (else the references are not in the translations' order)."""
   references = read_references()
-  groups = {}
-  for r in rows:
-    if (translations / r['name']).is_dir():
-      groups.setdefault((r['kind'], r['key_width'], steps_of(r)), []).append(r)
+  groups = translated_groups(rows, translations)
   out = []
   for (kind, width, steps), ours in sorted(groups.items(), key=lambda kv: _order(*kv[0])):
     theirs = groups.get(('concat', width if kind in KINDS else emb_dim, steps), [])
@@ -289,13 +286,25 @@ def intervals(rows, emb_dim: int, translations: pathlib.Path) -> list[dict]:
       continue
     entry = {'kind': kind, 'key_width': width, 'steps': steps, 'seeds': len(seeds)}
     for split, refs in references.items():
-      systems = []
-      for group in (theirs, ours):
-        runs = sorted((r for r in group if r['seed'] in seeds), key=lambda r: r['seed'])
-        systems.append([checked_translations(r, split, refs, translations) for r in runs])
+      systems = [seed_systems(g, seeds, split, refs, translations) for g in (theirs, ours)]
       entry[split] = stats.bleu_difference(refs, *systems).as_dict()
     out.append(entry)
   return out
+
+
+def translated_groups(rows, translations: pathlib.Path) -> dict[tuple, list[dict]]:
+  """{(kind, key width, steps): its rows} of the runs whose translations are kept."""
+  groups = {}
+  for r in rows:
+    if (translations / r['name']).is_dir():
+      groups.setdefault((r['kind'], r['key_width'], steps_of(r)), []).append(r)
+  return groups
+
+
+def seed_systems(group, seeds, split: str, refs, translations: pathlib.Path) -> list:
+  """The checked translations of `split` of the group's runs of `seeds`, in seed order."""
+  runs = sorted((r for r in group if r['seed'] in seeds), key=lambda r: r['seed'])
+  return [checked_translations(r, split, refs, translations) for r in runs]
 
 
 def narrowing(rows, emb_dim: int, translations: pathlib.Path) -> list[dict]:
@@ -304,10 +313,7 @@ def narrowing(rows, emb_dim: int, translations: pathlib.Path) -> list[dict]:
   systems scored on each resample (seeds common to the four, averaged). Positive: narrowing the
   keys from D to D~k widens collaborative's lead."""
   references = read_references()
-  groups = {}
-  for r in rows:
-    if r['kind'] in KINDS and (translations / r['name']).is_dir():
-      groups.setdefault((r['kind'], r['key_width'], steps_of(r)), []).append(r)
+  groups = {key: g for key, g in translated_groups(rows, translations).items() if key[0] in KINDS}
   out = []
   for steps in sorted({key[2] for key in groups}):
     widths = sorted({w for (_, w, s) in groups if s == steps and w < emb_dim}, reverse=True)
@@ -318,14 +324,7 @@ def narrowing(rows, emb_dim: int, translations: pathlib.Path) -> list[dict]:
         continue
       entry = {'key_width': width, 'steps': steps, 'seeds': len(seeds)}
       for split, refs in references.items():
-        systems = [
-            [
-                checked_translations(r, split, refs, translations)
-                for r in sorted(cell, key=lambda r: r['seed'])
-                if r['seed'] in seeds
-            ]
-            for cell in cells
-        ]
+        systems = [seed_systems(cell, seeds, split, refs, translations) for cell in cells]
         # cells: concat at D, collaborative at D, concat at D~k, collaborative at D~k.
         entry[split] = stats.bleu_contrast(refs, systems, [1, -1, -1, 1]).as_dict()
       out.append(entry)

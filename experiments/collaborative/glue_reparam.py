@@ -237,6 +237,18 @@ def report(results, errors, args) -> None:
     )
 
 
+def check_score(task: str, predictions, labels, recorded: float, what: str) -> None:
+  """Raises ValueError unless kept dev predictions give the score a run recorded (else they
+  are not that run's, or not in the labels' order)."""
+  from lowrank_attn.tasks.glue import glue_metrics  # pylint: disable=g-import-not-at-top
+
+  recomputed = glue_metrics(task, predictions, labels)['score']
+  if abs(recomputed - recorded) > 1e-6:
+    raise ValueError(
+        f'{what}: its kept predictions score {recomputed:.4f}, {recorded:.4f} recorded'
+    )
+
+
 def _label(row) -> tuple[str, int | None]:
   if row['method'] != 'original':
     return row['method'], row['key_dim']
@@ -247,7 +259,6 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
   """Mean dev score per task over seeds for each (method, D~k), their average, and B - A of
   the average against the control with its paired bootstrap interval (`experiments.stats`)."""
   from experiments import stats  # pylint: disable=g-import-not-at-top  (imports JAX)
-  from lowrank_attn.tasks.glue import glue_metrics  # pylint: disable=g-import-not-at-top
 
   tasks = [t for t in TASKS if any(r['task'] == t for r in rows)]
   groups = {}
@@ -268,12 +279,7 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
       if r['task'] != task or not path.exists():
         continue
       kept = json.loads(path.read_text())
-      recomputed = glue_metrics(task, kept['predictions'], kept['labels'])['score']
-      if abs(recomputed - r['score']) > 1e-6:
-        raise ValueError(
-            f'{r["name"]}: its kept predictions ({path}) score {recomputed:.4f}, the run '
-            f'recorded {r["score"]:.4f}'
-        )
+      check_score(task, kept['predictions'], kept['labels'], r['score'], r['name'])
       found.append(kept)
     return ([f['predictions'] for f in found], found[0]['labels']) if found else ([], None)
 

@@ -79,7 +79,7 @@ import sys
 import numpy as np
 
 from experiments import runner
-from experiments.collaborative.glue_reparam import keep_predictions
+from experiments.collaborative.glue_reparam import check_score, keep_predictions
 
 HERE = pathlib.Path(__file__).resolve().parent
 OUT = HERE / 'glue'
@@ -654,8 +654,6 @@ def _predictions(args, row):
   """(predictions, labels) of a row's model: its run's (`predictions/<name>.json`) or its
   analysis point's; None if not kept. Refused unless they give the row's recorded score (else
   they are not that model's, or not in the labels' order)."""
-  from lowrank_attn.tasks.glue import glue_metrics  # pylint: disable=g-import-not-at-top
-
   name, key = row['source']
   path = args.out / 'predictions' / f'{name}.json'
   if not path.exists():
@@ -664,12 +662,8 @@ def _predictions(args, row):
   if (key or 'predictions') not in found:
     return None
   predictions = found[key or 'predictions']
-  recomputed = glue_metrics(row['task'], predictions, found['labels'])['score']
-  if abs(recomputed - row['score']) > 1e-6:
-    raise ValueError(
-        f'{name}{"" if key is None else f" ({key})"}: its kept predictions score '
-        f'{recomputed:.4f}, {row["score"]:.4f} recorded'
-    )
+  what = name if key is None else f'{name} ({key})'
+  check_score(row['task'], predictions, found['labels'], row['score'], what)
   return predictions, found['labels']
 
 
