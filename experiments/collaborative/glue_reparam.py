@@ -257,7 +257,8 @@ def _label(row) -> tuple[str, int | None]:
 
 def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[dict]]:
   """Mean dev score per task over seeds for each (method, D~k), their average, and B - A of
-  the average against the control with its paired bootstrap interval (`experiments.stats`)."""
+  the average against the control with its paired bootstrap interval (`experiments.stats`);
+  then B - A of each task alone, with its interval (rows of a slice without every task too)."""
   from experiments import stats  # pylint: disable=g-import-not-at-top  (imports JAX)
 
   tasks = [t for t in TASKS if any(r['task'] == t for r in rows)]
@@ -296,14 +297,18 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
     names = [r['name'] for r in group]
     errs = [np.mean(list(errors[n].values())) for n in names if n in errors]
     entry['mean_error'] = float(np.mean(errs)) if errs else None
-    if (method, key_dim) != control and entry['average'] is not None:
+    if (method, key_dim) != control:
       paired = {}
       for task in tasks:
         a, labels = predictions(groups[control], task)
         b, _ = predictions(group, task)
         if a and b:
           paired[task] = (labels, a, b)
-      if len(paired) == len(tasks):
+      # Each task alone (a slice of the grid has rows before it has averages), then the average.
+      entry['task_differences'] = {
+          task: stats.glue_difference({task: pair}).as_dict() for task, pair in paired.items()
+      }
+      if entry['average'] is not None and len(paired) == len(tasks):
         entry['difference'] = stats.glue_difference(paired).as_dict()
     summary.append(entry)
 
@@ -323,7 +328,25 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
           ('seeds', lambda e: ','.join(map(str, e['seeds']))),
       ],
   )
-  return table, summary
+  per_task = runner.markdown_table(
+      [e for e in summary if e.get('task_differences')],
+      [('method', 'method'), ('D~k', lambda e: e['key_dim'] or 384)]
+      + [
+          (
+              f'{task} - {control[0]} [95%]',
+              lambda e, t=task: (
+                  str(stats.Interval(**e['task_differences'][t]))
+                  if t in e['task_differences']
+                  else ''
+              ),
+          )
+          for task in tasks
+      ],
+  )
+  return (
+      table + '\n\nEach task alone, the row minus the control (paired bootstrap):\n\n' + per_task,
+      summary,
+  )
 
 
 def paper_table(tasks) -> str:

@@ -349,6 +349,17 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   assert collaborative['difference']['estimate'] == pytest.approx(expected, abs=1e-6)
   assert collaborative['difference']['low'] < expected < collaborative['difference']['high']
   assert 'difference' not in by['original, fine-tuned again', None]  # the control itself
+  for task in labels:  # each task alone
+    alone = collaborative['task_differences'][task]
+    expected = mean('collaborative', 96, 2, task) - mean('original', None, 2, task)
+    assert alone['estimate'] == pytest.approx(expected, abs=1e-6)
+    assert alone['low'] < expected < alone['high']
+  # A row of a slice without every task: no average, but its tasks' differences.
+  slice_rows = [r for r in rows if not (r['method'] == 'collaborative' and r['task'] == 'stsb')]
+  _, summary = glue_reparam.glue_table(slice_rows, predictions_dir, errors={})
+  partial = {(e['method'], e['key_dim']): e for e in summary}['collaborative', 96]
+  assert partial['average'] is None and 'difference' not in partial
+  assert set(partial['task_differences']) == {'rte'}
 
   rows[-1]['score'] += 0.5  # a recorded score its kept predictions do not give
   with pytest.raises(ValueError, match=f'{rows[-1]["name"]}: its kept predictions'):
