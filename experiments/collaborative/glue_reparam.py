@@ -16,7 +16,11 @@ collaborative heads of shared key width D~k, then fine-tune again with the same 
   3. `<task>-<method>-k<D~k>-s<seed>` fine-tunes it with the same config (per-head SVD with its
      block one-hot mixing frozen, so it stays concat heads), and `<task>-original-again-s<seed>`
      fine-tunes the unconverted model the same way: the control for what a second fine-tune
-     does on its own.
+     does on its own;
+  4. `<task>-<method>-k<D~k>-s<seed>-before`: the converted model as converted, scored on the
+     dev set without training (one step at learning rate 0, `BEFORE`: Adam's and the weight
+     decay's updates are both scaled by it), so a loss after step 3 can be told apart from a
+     conversion the fine-tune did not recover from; its own table, against the original.
 `--decompose=pretrained` converts the pretrained MiniLM instead and fine-tunes once (no
 step 1): the issue's other reading, and a test of whether the protocol matters.
 
@@ -46,6 +50,9 @@ OUT = HERE / 'glue'
 TASKS = ('rte', 'mrpc', 'stsb', 'cola', 'sst2')
 KEY_DIMS = (384, 256, 192, 128, 96, 64, 48)
 PRETRAINED = 'all-MiniLM-L6-v2'
+# A converted model scored as it is: one step at learning rate 0 (`num_train_steps` >= 1) moves
+# no parameter, and the run's final evaluation is then the conversion's own dev score.
+BEFORE = {'num_train_steps': 1, 'learning_rate': 0.0, 'warmup_steps': 0}
 # Cordonnier et al. (2020), Table 3 (also the README of epfml/collaborative-attention): BERT-base
 # fine-tuned, then re-parametrized at D~k and fine-tuned again; dev scores. MRPC: F1/accuracy,
 # STS-B: Pearson/Spearman (the paper's average is over eight tasks; `paper_table` averages ours).
@@ -100,9 +107,12 @@ def main():
   args = arguments()
   runs_dir = pathlib.Path(args.runs_dir).resolve()
 
-  def run(name, task, seed, overrides, **config):
+  def run(name, task, seed, overrides, fixed=None, **config):
     train = runner.train_run(
-        name, f'configs/glue.py:{task}', seed=seed, overrides={**overrides, **args.budget}
+        name,
+        f'configs/glue.py:{task}',
+        seed=seed,
+        overrides={**overrides, **args.budget, **(fixed or {})},
     )
     return dataclasses.replace(train, config={'task': task, **config, **train.config})
 
@@ -118,7 +128,7 @@ def main():
   if args.decompose == 'finetuned' and len(results['runs']) < len(first):
     return  # the conversions need every fine-tuned original; rerun when they are done
 
-  second, errors = [], {}
+  second, before, errors = [], [], {}
   for seed in args.seeds:
     for task in args.tasks:
       source = sources.get((task, seed), PRETRAINED)
@@ -140,6 +150,19 @@ def main():
           conversion = json.loads((directory / 'conversion.json').read_text())
           errors[f'{task}-{method}-k{key_dim}-s{seed}'] = conversion['relative_errors']
           frozen = {'trainable': '^(?!.*mixing)'} if method == 'per_head_svd' else {}
+          if args.decompose == 'finetuned':  # the pretrained model has no task head to score
+            before.append(
+                run(
+                    f'{task}-{method}-k{key_dim}-s{seed}-before',
+                    task,
+                    seed,
+                    {**conversion['overrides'], 'init_from': str(directory)},
+                    fixed=BEFORE,
+                    method=method,
+                    key_dim=key_dim,
+                    stage=0,
+                )
+            )
           second.append(
               run(
                   f'{task}-{method}-k{key_dim}-s{seed}',
@@ -151,7 +174,7 @@ def main():
                   stage=2,
               )
           )
-  results = grid(first + second, args)
+  results = grid(first + before + second, args)
   report(results, errors, args)
 
 
@@ -209,11 +232,22 @@ def keep_predictions(results, args) -> None:
 
 
 def report(results, errors, args) -> None:
-  rows = [r for r in runner.final(results, 'validation') if 'score' in r]
+  everything = [r for r in runner.final(results, 'validation') if 'score' in r]
+  rows = [r for r in everything if r.get('stage') != 0]
   if not rows:
     print('no finished run has a final dev evaluation yet')
     return
   table, summary = glue_table(rows, args.out / 'predictions', errors)
+  # The conversions as converted, against the fine-tuned original they were converted from.
+  before_rows = [r for r in everything if r.get('stage') == 0]
+  originals = [r for r in rows if r['method'] == 'original' and r['stage'] == 1]
+  if before_rows:
+    before, before_summary = glue_table(originals + before_rows, args.out / 'predictions', errors)
+    table += (
+        '\n\nBefore the second fine-tune: each conversion scored as converted (one step at'
+        ' learning rate 0), against the fine-tuned original it was converted from:\n\n' + before
+    )
+    runner.files.write_json(args.out / 'table_before.json', before_summary)
   paper = paper_table([t for t in TASKS if any(r['task'] == t for r in rows)])
   runner.files.write_json(args.out / 'table.json', summary)
   (args.out / 'results.md').write_text(table + '\n\n' + paper)

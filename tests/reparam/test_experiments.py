@@ -364,3 +364,56 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   rows[-1]['score'] += 0.5  # a recorded score its kept predictions do not give
   with pytest.raises(ValueError, match=f'{rows[-1]["name"]}: its kept predictions'):
     glue_reparam.glue_table(rows, predictions_dir, errors={})
+
+
+def test_glue_report_tables_the_conversions_before_the_fine_tune_apart(tmp_path, monkeypatch):
+  """The runs scored before the second fine-tune (stage 0) stay out of the main table and get
+  their own, against the first fine-tune (the model they were converted from); the main table
+  keeps its control, the original fine-tuned again."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+
+  from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(1)
+  labels = rng.integers(0, 2, 50)
+  out = tmp_path / 'glue'
+  (out / 'predictions').mkdir(parents=True)
+  rows = []
+  for name, method, key_dim, stage, flip in (
+      ('rte-original-s0', 'original', None, 1, 0.2),
+      ('rte-original-again-s0', 'original', None, 2, 0.25),
+      ('rte-collaborative-k96-s0', 'collaborative', 96, 2, 0.3),
+      ('rte-collaborative-k96-s0-before', 'collaborative', 96, 0, 0.5),
+  ):
+    p = np.where(rng.random(50) < flip, 1 - labels, labels)
+    kept = {'predictions': p.tolist(), 'labels': labels.tolist()}
+    (out / 'predictions' / f'{name}.json').write_text(json.dumps(kept))
+    score = 100 * float(np.mean(p == labels))
+    rows.append(
+        {
+            'name': name,
+            'task': 'rte',
+            'method': method,
+            'key_dim': key_dim,
+            'stage': stage,
+            'seed': 0,
+            'score': score,
+        }
+    )
+  monkeypatch.setattr(glue_reparam.runner, 'final', lambda results, split: rows)
+  glue_reparam.report({}, {}, argparse.Namespace(out=out, smoke=True))
+  main = {(e['method'], e['key_dim']): e for e in json.loads((out / 'table.json').read_text())}
+  before = json.loads((out / 'table_before.json').read_text())
+  assert set(main) == {
+      ('original', None),
+      ('original, fine-tuned again', None),
+      ('collaborative', 96),
+  }
+  assert main['collaborative', 96]['rte'] == rows[2]['score']  # the fine-tuned one, not stage 0
+  by = {(e['method'], e['key_dim']): e for e in before}
+  assert set(by) == {('original', None), ('collaborative', 96)}
+  assert by['collaborative', 96]['rte'] == rows[3]['score']
+  expected = rows[3]['score'] - rows[0]['score']  # against the first fine-tune
+  assert by['collaborative', 96]['difference']['estimate'] == pytest.approx(expected, abs=1e-9)
+  assert 'Before the second fine-tune' in (out / 'results.md').read_text()

@@ -188,3 +188,28 @@ def test_a_non_glue_data_set_is_refused():
   config.data.name = 'multi30k'
   with pytest.raises(ValueError, match=r"data.name='multi30k' is not a GLUE task"):
     config_lib.validate(config)
+
+
+@pytest.mark.integration
+def test_one_step_at_learning_rate_zero_scores_the_model_it_starts_from(tmp_path):
+  """`glue_reparam.BEFORE` scores a converted model as converted: a run started from another
+  with those overrides ends with the same dev loss and predictions as that run's own final
+  evaluation (one step at learning rate 0 moves no parameter, weight decay included)."""
+  from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
+
+  config = config_lib.load('configs/glue.py:tiny')
+  config.num_train_steps = 3
+  config.num_eval_steps = 1
+  first = train.train_and_evaluate(config, str(tmp_path / 'first'))['final']['validation']
+  config = config_lib.load('configs/glue.py:tiny')
+  config.num_eval_steps = 1
+  config.init_from = str(tmp_path / 'first')
+  for key, value in glue_reparam.BEFORE.items():
+    setattr(config, key, value)
+  again = train.train_and_evaluate(config, str(tmp_path / 'again'))['final']['validation']
+  # The same parameters through the same program: equal up to float reassociation.
+  assert again['loss'] == pytest.approx(first['loss'], rel=1e-6)
+  read = lambda run, step: json.loads(
+      (tmp_path / run / 'final_eval' / str(step) / 'validation_predictions.json').read_text()
+  )
+  assert read('again', 1)['predictions'] == read('first', 3)['predictions']
