@@ -151,6 +151,7 @@ def main():
           errors[f'{task}-{method}-k{key_dim}-s{seed}'] = conversion['relative_errors']
           frozen = {'trainable': '^(?!.*mixing)'} if method == 'per_head_svd' else {}
           if args.decompose == 'finetuned':  # the pretrained model has no task head to score
+            errors[f'{task}-{method}-k{key_dim}-s{seed}-before'] = conversion['relative_errors']
             before.append(
                 run(
                     f'{task}-{method}-k{key_dim}-s{seed}-before',
