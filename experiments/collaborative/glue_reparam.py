@@ -148,13 +148,13 @@ def main():
         for method in args.methods:
           directory = converted(source, task, seed, method, key_dim, args, runs_dir)
           conversion = json.loads((directory / 'conversion.json').read_text())
-          errors[f'{task}-{method}-k{key_dim}-s{seed}'] = conversion['relative_errors']
-          frozen = {'trainable': '^(?!.*mixing)'} if method == 'per_head_svd' else {}
+          name = f'{task}-{method}-k{key_dim}-s{seed}'
+          errors[name] = conversion['relative_errors']
           if args.decompose == 'finetuned':  # the pretrained model has no task head to score
-            errors[f'{task}-{method}-k{key_dim}-s{seed}-before'] = conversion['relative_errors']
+            errors[f'{name}-before'] = conversion['relative_errors']
             before.append(
                 run(
-                    f'{task}-{method}-k{key_dim}-s{seed}-before',
+                    f'{name}-before',
                     task,
                     seed,
                     {**conversion['overrides'], 'init_from': str(directory)},
@@ -164,9 +164,10 @@ def main():
                     stage=0,
                 )
             )
+          frozen = {'trainable': '^(?!.*mixing)'} if method == 'per_head_svd' else {}
           second.append(
               run(
-                  f'{task}-{method}-k{key_dim}-s{seed}',
+                  name,
                   task,
                   seed,
                   {**conversion['overrides'], **frozen, 'init_from': str(directory)},
