@@ -21,8 +21,9 @@ collaborative heads of shared key width D~k, then fine-tune again with the same 
      dev set without training (one step at learning rate 0, `BEFORE`: Adam's and the weight
      decay's updates are both scaled by it), so a loss after step 3 can be told apart from a
      conversion the fine-tune did not recover from; its own table, against the original.
-`--decompose=pretrained` converts the pretrained MiniLM instead and fine-tunes once (no
-step 1): the issue's other reading, and a test of whether the protocol matters.
+`--decompose=pretrained` converts the pretrained MiniLM instead and fine-tunes once, against
+step 1's original (the same fine-tune, unconverted): the issue's other reading, and a test of
+whether the protocol matters (results in `glue/pretrained/`).
 
 Each run's final evaluation on the whole dev set (GLUE metrics x100) and its per-example
 predictions (`final_eval/<step>/validation_predictions.json`), copied next to this script in
@@ -116,13 +117,16 @@ def main():
     )
     return dataclasses.replace(train, config={'task': task, **config, **train.config})
 
+  # The first fine-tune of the pretrained encoder: what `finetuned` converts, and for
+  # `pretrained` the control (the conversions fine-tuned once, the same way). Its runs are
+  # shared with the other protocol's: a finished one in --runs_dir counts as done.
   sources = {}  # (task, seed) -> the run directory the conversions start from
   first = []
   for seed in args.seeds:
     for task in args.tasks:
+      name = f'{task}-original-s{seed}'
+      first.append(run(name, task, seed, {}, method='original', key_dim=None, stage=1))
       if args.decompose == 'finetuned':
-        name = f'{task}-original-s{seed}'
-        first.append(run(name, task, seed, {}, method='original', key_dim=None, stage=1))
         sources[task, seed] = runs_dir / name
   results = grid(first, args)
   if args.decompose == 'finetuned' and len(results['runs']) < len(first):

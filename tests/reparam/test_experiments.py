@@ -417,3 +417,65 @@ def test_glue_report_tables_the_conversions_before_the_fine_tune_apart(tmp_path,
   expected = rows[3]['score'] - rows[0]['score']  # against the first fine-tune
   assert by['collaborative', 96]['difference']['estimate'] == pytest.approx(expected, abs=1e-9)
   assert 'Before the second fine-tune' in (out / 'results.md').read_text()
+
+
+@pytest.mark.parametrize('decompose', ['finetuned', 'pretrained'])
+def test_glue_reparam_plans_each_protocol_with_the_first_fine_tune_as_its_start_or_control(
+    tmp_path, monkeypatch, decompose
+):
+  """Both protocols plan the same first fine-tune of the pretrained encoder (one command, so a
+  finished one serves both): `finetuned` converts it, then fine-tunes each conversion and the
+  original again, and scores each conversion as converted; `pretrained` converts the
+  pretrained encoder, fine-tunes each conversion once and keeps the first fine-tune as the
+  control (no second fine-tune of the original, no before runs: no task head to score)."""
+  import json  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
+
+  planned, sources = [], []
+
+  def grid(runs, args):
+    planned.append(list(runs))
+    return {'runs': [{'name': r.name} for r in runs]}
+
+  def converted(source, task, seed, method, key_dim, args, runs_dir):
+    sources.append(source)
+    directory = tmp_path / 'converted' / f'{method}-k{key_dim}'
+    directory.mkdir(parents=True, exist_ok=True)
+    conversion = {'overrides': {'model.encoder_attention.key_dim': key_dim}, 'relative_errors': {}}
+    (directory / 'conversion.json').write_text(json.dumps(conversion))
+    return directory
+
+  monkeypatch.setattr(glue_reparam, 'grid', grid)
+  monkeypatch.setattr(glue_reparam, 'converted', converted)
+  monkeypatch.setattr(glue_reparam, 'report', lambda *args: None)
+  runs = tmp_path / 'runs'
+  monkeypatch.setattr(
+      sys,
+      'argv',
+      [
+          'glue_reparam',
+          f'--runs_dir={runs}',
+          '--tasks=stsb',
+          '--key_dims=96',
+          '--methods=collaborative',
+          f'--decompose={decompose}',
+      ],
+  )
+  glue_reparam.main()
+
+  first, everything = planned
+  assert [r.name for r in first] == ['stsb-original-s0']
+  assert not any('init_from' in arg for arg in first[0].command)  # from the pretrained encoder
+  by_name = {r.name: r for r in everything}
+  assert by_name['stsb-original-s0'].command == first[0].command
+  expected = {'stsb-original-s0', 'stsb-collaborative-k96-s0'}
+  if decompose == 'finetuned':
+    expected |= {'stsb-original-again-s0', 'stsb-collaborative-k96-s0-before'}
+    assert sources == [runs.resolve() / 'stsb-original-s0']
+  else:
+    assert sources == [glue_reparam.PRETRAINED]
+  assert set(by_name) == expected
+  init = f'--config.init_from={tmp_path / "converted" / "collaborative-k96"}'
+  assert init in by_name['stsb-collaborative-k96-s0'].command
