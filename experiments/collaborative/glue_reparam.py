@@ -23,7 +23,8 @@ collaborative heads of shared key width D~k, then fine-tune again with the same 
      conversion the fine-tune did not recover from; its own table, against the original.
 `--decompose=pretrained` converts the pretrained MiniLM instead and fine-tunes once, against
 step 1's original (the same fine-tune, unconverted): the issue's other reading, and a test of
-whether the protocol matters (results in `glue/pretrained/`).
+whether the protocol matters (runs `<task>-pretrained-<method>-k<D~k>-s<seed>`, results in
+`glue/pretrained/`).
 
 Each run's final evaluation on the whole dev set (GLUE metrics x100) and its per-example
 predictions (`final_eval/<step>/validation_predictions.json`), copied next to this script in
@@ -152,7 +153,9 @@ def main():
         for method in args.methods:
           directory = converted(source, task, seed, method, key_dim, args, runs_dir)
           conversion = json.loads((directory / 'conversion.json').read_text())
-          name = f'{task}-{method}-k{key_dim}-s{seed}'
+          # The protocols share --runs_dir (and the first fine-tune): distinct names.
+          protocol = '' if args.decompose == 'finetuned' else 'pretrained-'
+          name = f'{task}-{protocol}{method}-k{key_dim}-s{seed}'
           errors[name] = conversion['relative_errors']
           if args.decompose == 'finetuned':  # the pretrained model has no task head to score
             errors[f'{name}-before'] = conversion['relative_errors']

@@ -166,7 +166,9 @@ def run_grid(
     the interpreter's path and the runs directory named in its arguments, counts as finished:
     commit results.json and a grid resumes anywhere. Each write merges the file as it is then
     (under a lock on `out_dir`), so grids of one experiment may run side by side.
-  runs_dir: the run directories' root (default `default_runs_dir(<out_dir's name>)`).
+  runs_dir: the run directories' root (default `default_runs_dir(<out_dir's name>)`). A run
+    directory whose DONE records another command (up to the interpreter's path and the runs
+    directory) is another run under the same name: ValueError before anything runs.
   cwd: the commands' working directory (default: the repository root); env: extra variables.
   refresh: collect finished runs again (after changing a collector), rewriting their DONE.
   rerun_lost: a run recorded in results.json whose directory is gone runs again instead of
@@ -268,6 +270,7 @@ class _Grid:
     return self.runs_dir / run.name
 
   def run(self, refresh: bool, rerun_lost: bool = False) -> None:
+    conflicts = []
     for run in self.runs:
       entry = files.read_json(self.rundir(run) / DONE_FILE)
       if entry is None:
@@ -290,12 +293,17 @@ class _Grid:
       if refresh:
         entry = self._refresh(run, entry)
       if not _same_command(entry.get('command', run.command), run.command, self.runs_dir):
-        _say(
-            f'grid: note: {run.name} finished with another command '
-            f'({_quote(entry["command"])}); delete {self.rundir(run) / DONE_FILE} to run it '
-            'again'
+        conflicts.append(
+            f'{run.name}: its directory holds a run of\n  {_quote(entry["command"])}\n'
+            f'  this grid runs\n  {_quote(run.command)}'
         )
       self.done[run.name] = entry
+    if conflicts:  # another run under this name: its results are not this grid's
+      raise ValueError(
+          f'grid: {len(conflicts)} run directories in {self.runs_dir} hold finished runs of '
+          'other commands:\n' + '\n'.join(conflicts) + '\nGive the grid another runs '
+          'directory (or its runs other names), or delete their DONE files to run them again.'
+      )
     todo = [run for run in self.runs if run.name not in self.done]
     _say(
         f'grid: {len(self.runs)} runs in {self.runs_dir}: {len(self.done)} finished, '

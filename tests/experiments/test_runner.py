@@ -624,3 +624,22 @@ def test_two_grids_writing_one_results_file_keep_each_others_runs(tmp_path):
   results = runner.run_grid([a], out, runs_dir=runs_dir, env=env)
   assert names(runner.load_results(out)) == ['a', 'b']
   assert names(results) == ['a', 'b']
+
+
+def test_a_finished_run_of_another_command_under_the_name_stops_the_grid(tmp_path):
+  """Two grids sharing a runs directory and a run name (two protocols of one experiment): the
+  second finds the first's DONE with another command and refuses before running anything,
+  naming the run and both commands; nothing of the other run enters its results.json. The
+  same command again (another interpreter path) still counts as finished."""
+  runs_dir, mark = tmp_path / 'runs', tmp_path / 'b.count'
+  runner.run_grid([runner.Run('a', py('pass'))], tmp_path / 'one', runs_dir=runs_dir)
+  other = runner.Run('a', py('print("the other protocol")'))
+  unrelated = runner.Run('b', py(f'open({str(mark)!r}, "a").write("x")'))
+  with pytest.raises(ValueError, match=r'1 run directories .*\na: its directory holds a run of'):
+    runner.run_grid([unrelated, other], tmp_path / 'two', runs_dir=runs_dir)
+  assert not mark.exists()
+  assert not (tmp_path / 'two' / runner.RESULTS_FILE).exists()
+  same = runner.Run('a', ['/elsewhere/bin/python', *py('pass')[1:]])
+  assert [
+      e['name'] for e in runner.run_grid([same], tmp_path / 'three', runs_dir=runs_dir)['runs']
+  ] == ['a']

@@ -470,12 +470,14 @@ def test_glue_reparam_plans_each_protocol_with_the_first_fine_tune_as_its_start_
   assert not any('init_from' in arg for arg in first[0].command)  # from the pretrained encoder
   by_name = {r.name: r for r in everything}
   assert by_name['stsb-original-s0'].command == first[0].command
-  expected = {'stsb-original-s0', 'stsb-collaborative-k96-s0'}
   if decompose == 'finetuned':
-    expected |= {'stsb-original-again-s0', 'stsb-collaborative-k96-s0-before'}
+    conversion = 'stsb-collaborative-k96-s0'
+    expected = {'stsb-original-again-s0', f'{conversion}-before'}
     assert sources == [runs.resolve() / 'stsb-original-s0']
-  else:
+  else:  # its own names: the protocols share --runs_dir
+    conversion = 'stsb-pretrained-collaborative-k96-s0'
+    expected = set()
     assert sources == [glue_reparam.PRETRAINED]
-  assert set(by_name) == expected
+  assert set(by_name) == {'stsb-original-s0', conversion} | expected
   init = f'--config.init_from={tmp_path / "converted" / "collaborative-k96"}'
-  assert init in by_name['stsb-collaborative-k96-s0'].command
+  assert init in by_name[conversion].command
