@@ -3,7 +3,8 @@ r"""Table 3 of Cordonnier et al. (2020) at MiniLM scale: GLUE after re-parametri
     python -m experiments.collaborative.glue_reparam --runs_dir=/work/runs/glue_reparam \
         [--tasks=rte,mrpc,stsb,cola,sst2] [--key_dims=384,256,192,128,96,64,48]
         [--methods=collaborative,collaborative_rescaled,per_head_svd] [--seeds=0,1,2]
-        [--decompose=finetuned|pretrained] [--parallel=N] [--smoke]
+        [--decompose=finetuned|pretrained] [--second_epochs=E] [--second_learning_rate=LR]
+        [--parallel=N] [--smoke]
 
 The paper's protocol (its code's README, `run_glue.py --mix_heads --mix_size D~k`): fine-tune
 the pretrained encoder on the task, decompose the fine-tuned model's attention into
@@ -21,6 +22,11 @@ collaborative heads of shared key width D~k, then fine-tune again with the same 
      dev set without training (one step at learning rate 0, `BEFORE`: Adam's and the weight
      decay's updates are both scaled by it), so a loss after step 3 can be told apart from a
      conversion the fine-tune did not recover from; its own table, against the original.
+`--second_epochs` / `--second_learning_rate` give the fine-tune after the conversion and its
+control another budget (the paper's code: 3 epochs at 2e-5, 10 for RTE and SST-2): runs
+`...-e<E>-lr<LR>-s<seed>`, results in `glue/e<E>-lr<LR>/` (the before runs are shared; with
+`pretrained` the control is the pretrained encoder fine-tuned with that budget,
+`<task>-original-e<E>-lr<LR>-s<seed>`).
 `--decompose=pretrained` converts the pretrained MiniLM instead and fine-tunes once, against
 step 1's original (the same fine-tune, unconverted): the issue's other reading, and a test of
 whether the protocol matters (runs `<task>-pretrained-<method>-k<D~k>-s<seed>`, results in
@@ -76,6 +82,19 @@ def arguments():
   parser.add_argument('--seeds', default='0')
   parser.add_argument('--decompose', choices=('finetuned', 'pretrained'), default='finetuned')
   parser.add_argument(
+      '--second_epochs',
+      type=float,
+      default=None,
+      help='epochs of the fine-tune after the conversion and of its control (default: the '
+      "config's 3)",
+  )
+  parser.add_argument(
+      '--second_learning_rate',
+      type=float,
+      default=None,
+      help="peak learning rate of that fine-tune and its control (default: the config's 5e-5)",
+  )
+  parser.add_argument(
       '--smoke',
       action='store_true',
       help='configs/glue.py:tiny-sized fine-tunes of 4 steps on RTE, one '
@@ -91,7 +110,15 @@ def arguments():
       parser.error(
           f'--{name}: {sorted(set(given) - set(valid))} unknown; valid: ' f'{",".join(valid)}'
       )
+  # Another budget for the fine-tune after the conversion: its runs and results apart.
+  args.variant = ''.join(
+      f'-{label}{value:g}'
+      for label, value in (('e', args.second_epochs), ('lr', args.second_learning_rate))
+      if value is not None
+  )
   args.out = OUT if args.decompose == 'finetuned' else OUT / 'pretrained'
+  if args.variant:
+    args.out = args.out / args.variant[1:]
   args.budget = {}
   if args.smoke:
     args.tasks, args.key_dims, args.methods, args.seeds = ['rte'], [64], ['collaborative'], [0]
@@ -118,6 +145,16 @@ def main():
     )
     return dataclasses.replace(train, config={'task': task, **config, **train.config})
 
+  def budget(task):
+    """The fine-tune after the conversion (and its control): the recipe, or --second_*."""
+    import configs.glue  # pylint: disable=g-import-not-at-top  (JAX: after the first grid)
+
+    epochs = (
+        {} if args.second_epochs is None else configs.glue.epochs_budget(task, args.second_epochs)
+    )
+    rate = {} if args.second_learning_rate is None else {'learning_rate': args.second_learning_rate}
+    return {**epochs, **rate}
+
   # The first fine-tune of the pretrained encoder: what `finetuned` converts, and for
   # `pretrained` the control (the conversions fine-tuned once, the same way). Its runs are
   # shared with the other protocol's: a finished one in --runs_dir counts as done.
@@ -125,10 +162,16 @@ def main():
   first = []
   for seed in args.seeds:
     for task in args.tasks:
-      name = f'{task}-original-s{seed}'
-      first.append(run(name, task, seed, {}, method='original', key_dim=None, stage=1))
       if args.decompose == 'finetuned':
+        name = f'{task}-original-s{seed}'
+        first.append(run(name, task, seed, {}, method='original', key_dim=None, stage=1))
         sources[task, seed] = runs_dir / name
+      elif not args.variant:
+        first.append(
+            run(
+                f'{task}-original-s{seed}', task, seed, {}, method='original', key_dim=None, stage=1
+            )
+        )
   results = grid(first, args)
   if args.decompose == 'finetuned' and len(results['runs']) < len(first):
     return  # the conversions need every fine-tuned original; rerun when they are done
@@ -140,13 +183,25 @@ def main():
       if args.decompose == 'finetuned':
         second.append(
             run(
-                f'{task}-original-again-s{seed}',
+                f'{task}-original-again{args.variant}-s{seed}',
                 task,
                 seed,
-                {'init_from': str(source)},
+                {'init_from': str(source), **budget(task)},
                 method='original',
                 key_dim=None,
                 stage=2,
+            )
+        )
+      elif args.variant:  # the control: the pretrained encoder fine-tuned with that budget
+        first.append(
+            run(
+                f'{task}-original{args.variant}-s{seed}',
+                task,
+                seed,
+                budget(task),
+                method='original',
+                key_dim=None,
+                stage=1,
             )
         )
       for key_dim in args.key_dims:
@@ -155,13 +210,14 @@ def main():
           conversion = json.loads((directory / 'conversion.json').read_text())
           # The protocols share --runs_dir (and the first fine-tune): distinct names.
           protocol = '' if args.decompose == 'finetuned' else 'pretrained-'
-          name = f'{task}-{protocol}{method}-k{key_dim}-s{seed}'
+          name = f'{task}-{protocol}{method}-k{key_dim}{args.variant}-s{seed}'
           errors[name] = conversion['relative_errors']
           if args.decompose == 'finetuned':  # the pretrained model has no task head to score
-            errors[f'{name}-before'] = conversion['relative_errors']
+            as_converted = f'{task}-{method}-k{key_dim}-s{seed}-before'  # any budget's
+            errors[as_converted] = conversion['relative_errors']
             before.append(
                 run(
-                    f'{name}-before',
+                    as_converted,
                     task,
                     seed,
                     {**conversion['overrides'], 'init_from': str(directory)},
@@ -177,7 +233,12 @@ def main():
                   name,
                   task,
                   seed,
-                  {**conversion['overrides'], **frozen, 'init_from': str(directory)},
+                  {
+                      **conversion['overrides'],
+                      **frozen,
+                      'init_from': str(directory),
+                      **budget(task),
+                  },
                   method=method,
                   key_dim=key_dim,
                   stage=2,
@@ -261,23 +322,28 @@ def report(results, errors, args) -> None:
   runner.files.write_json(args.out / 'table.json', summary)
   (args.out / 'results.md').write_text(table + '\n\n' + paper)
   print(table)
-  if not args.smoke:
-    runner.write_section(
-        HERE / 'README.md',
-        f'glue_{args.decompose}',
-        '\n'.join(
-            [
-                runner.runs_summary(results),
-                '',
-                table,
-                '',
-                'Cordonnier et al. (2020), Table 3, '
-                'BERT-base (dev; average over the tasks above):',
-                '',
-                paper,
-            ]
-        ),
-    )
+  if args.smoke:
+    return
+  section = f'glue_{args.decompose}{args.variant}'  # the README's, one per protocol and budget
+  if f'<!-- {section} -->' not in (HERE / 'README.md').read_text():
+    print(f'README.md has no section {section}: add <!-- {section} --><!-- /{section} --> to it')
+    return
+  runner.write_section(
+      HERE / 'README.md',
+      section,
+      '\n'.join(
+          [
+              runner.runs_summary(results),
+              '',
+              table,
+              '',
+              'Cordonnier et al. (2020), Table 3, '
+              'BERT-base (dev; average over the tasks above):',
+              '',
+              paper,
+          ]
+      ),
+  )
 
 
 def check_score(task: str, predictions, labels, recorded: float, what: str) -> None:

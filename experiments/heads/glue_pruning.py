@@ -457,18 +457,6 @@ def arguments():
   return args
 
 
-def epochs_budget(task: str, epochs: float) -> dict:
-  """The step counts of `epochs` of `task` at the recipe's batch (warmup 10%, as the config)."""
-  import configs.glue  # pylint: disable=g-import-not-at-top
-
-  steps = math.ceil(epochs * configs.glue.TASKS[task][0] / configs.glue.BATCH)
-  return {
-      'num_train_steps': steps,
-      'warmup_steps': steps // 10,
-      'checkpoint_every_steps': max(steps // 3, 1),
-  }
-
-
 def gate_overrides(args) -> dict:
   """The gates' own peak learning rate (`config.gate_learning_rate`); none with 0."""
   return {'gate_learning_rate': args.gate_learning_rate} if args.gate_learning_rate else {}
@@ -559,12 +547,14 @@ def main():
     return print('the fine-tunes need every analysis; rerun when they are done')
 
   # 3. L0 gates and their control; 4. the pruned models fine-tuned.
+  import configs.glue  # pylint: disable=g-import-not-at-top
+
   gates = gate_overrides(args) if args.lambdas else {}
   second = []
   for seed in args.seeds:
     for task in args.tasks:
       source = str(sources[task, seed])
-      budget = {} if args.l0_epochs is None else epochs_budget(task, args.l0_epochs)
+      budget = {} if args.l0_epochs is None else configs.glue.epochs_budget(task, args.l0_epochs)
       again = 'original-again' + ('' if args.l0_epochs is None else f'-e{args.l0_epochs:g}')
       second.append(
           run(
@@ -602,7 +592,10 @@ def main():
                 f'{task}-{name}-ft-s{seed}',
                 task,
                 seed,
-                {'init_from': pruned['dir'], **epochs_budget(task, args.finetune_epochs)},
+                {
+                    'init_from': pruned['dir'],
+                    **configs.glue.epochs_budget(task, args.finetune_epochs),
+                },
                 config=f'experiments/heads/glue_pruning.py:{pruned["dir"]}',
                 method=f'{pruned["method"]}+ft',
                 level=pruned['level'],

@@ -420,14 +420,18 @@ def test_glue_report_tables_the_conversions_before_the_fine_tune_apart(tmp_path,
 
 
 @pytest.mark.parametrize('decompose', ['finetuned', 'pretrained'])
+@pytest.mark.parametrize('variant', [[], ['--second_epochs=10', '--second_learning_rate=2e-5']])
 def test_glue_reparam_plans_each_protocol_with_the_first_fine_tune_as_its_start_or_control(
-    tmp_path, monkeypatch, decompose
+    tmp_path, monkeypatch, decompose, variant
 ):
   """Both protocols plan the same first fine-tune of the pretrained encoder (one command, so a
   finished one serves both): `finetuned` converts it, then fine-tunes each conversion and the
   original again, and scores each conversion as converted; `pretrained` converts the
   pretrained encoder, fine-tunes each conversion once and keeps the first fine-tune as the
-  control (no second fine-tune of the original, no before runs: no task head to score)."""
+  control (no second fine-tune of the original, no before runs: no task head to score).
+  Another budget for the fine-tune after the conversion (10 epochs of STS-B's 5,749 examples
+  at batch 32: 1,797 steps) gives that fine-tune and its control their own names; the first
+  fine-tune a conversion starts from and the before runs stay the shared ones."""
   import json  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
 
@@ -451,33 +455,50 @@ def test_glue_reparam_plans_each_protocol_with_the_first_fine_tune_as_its_start_
   monkeypatch.setattr(glue_reparam, 'converted', converted)
   monkeypatch.setattr(glue_reparam, 'report', lambda *args: None)
   runs = tmp_path / 'runs'
-  monkeypatch.setattr(
-      sys,
-      'argv',
-      [
-          'glue_reparam',
-          f'--runs_dir={runs}',
-          '--tasks=stsb',
-          '--key_dims=96',
-          '--methods=collaborative',
-          f'--decompose={decompose}',
-      ],
-  )
-  glue_reparam.main()
 
-  first, everything = planned
-  assert [r.name for r in first] == ['stsb-original-s0']
-  assert not any('init_from' in arg for arg in first[0].command)  # from the pretrained encoder
-  by_name = {r.name: r for r in everything}
-  assert by_name['stsb-original-s0'].command == first[0].command
+  def plan(*extra):
+    planned.clear()
+    sources.clear()
+    monkeypatch.setattr(
+        sys,
+        'argv',
+        [
+            'glue_reparam',
+            f'--runs_dir={runs}',
+            '--tasks=stsb',
+            '--key_dims=96',
+            '--methods=collaborative',
+            f'--decompose={decompose}',
+            *extra,
+        ],
+    )
+    glue_reparam.main()
+    return planned[0], {r.name: r for r in planned[-1]}
+
+  first, by_name = plan(*variant)
+  _, default = plan()  # the recipe's budget, as a reference
+  suffix = '-e10-lr2e-05' if variant else ''
+  budget = ['--config.num_train_steps=1797', '--config.learning_rate=2e-05']
+  if decompose == 'finetuned' or not variant:
+    assert [r.name for r in first] == ['stsb-original-s0']
+    assert not any('init_from' in arg for arg in first[0].command)  # from the pretrained encoder
+    assert by_name['stsb-original-s0'].command == first[0].command
   if decompose == 'finetuned':
-    conversion = 'stsb-collaborative-k96-s0'
-    expected = {'stsb-original-again-s0', f'{conversion}-before'}
+    conversion = f'stsb-collaborative-k96{suffix}-s0'
+    control = f'stsb-original-again{suffix}-s0'
     assert sources == [runs.resolve() / 'stsb-original-s0']
+    before = 'stsb-collaborative-k96-s0-before'
+    assert by_name[before].command == default[before].command  # shared by every budget
+    expected = {'stsb-original-s0', control, conversion, before}
+    assert f'--config.init_from={runs.resolve() / "stsb-original-s0"}' in by_name[control].command
   else:  # its own names: the protocols share --runs_dir
-    conversion = 'stsb-pretrained-collaborative-k96-s0'
-    expected = set()
+    conversion = f'stsb-pretrained-collaborative-k96{suffix}-s0'
+    control = f'stsb-original{suffix}-s0'
     assert sources == [glue_reparam.PRETRAINED]
-  assert set(by_name) == {'stsb-original-s0', conversion} | expected
+    assert not any('init_from' in arg for arg in by_name[control].command)
+    expected = {control, conversion}
+  assert set(by_name) == expected
   init = f'--config.init_from={tmp_path / "converted" / "collaborative-k96"}'
   assert init in by_name[conversion].command
+  for name in (control, conversion):
+    assert all((arg in by_name[name].command) == bool(variant) for arg in budget), name
