@@ -156,22 +156,19 @@ def main():
     return {**epochs, **rate}
 
   # The first fine-tune of the pretrained encoder: what `finetuned` converts, and for
-  # `pretrained` the control (the conversions fine-tuned once, the same way). Its runs are
-  # shared with the other protocol's: a finished one in --runs_dir counts as done.
+  # `pretrained` the control (the conversions fine-tuned once, the same way: with another
+  # budget, that budget). The recipe's runs are shared with the other protocol's: a finished
+  # one in --runs_dir counts as done.
+  own_budget = args.decompose == 'pretrained' and bool(args.variant)
   sources = {}  # (task, seed) -> the run directory the conversions start from
   first = []
   for seed in args.seeds:
     for task in args.tasks:
+      name = f'{task}-original{args.variant if own_budget else ""}-s{seed}'
+      overrides = budget(task) if own_budget else {}
+      first.append(run(name, task, seed, overrides, method='original', key_dim=None, stage=1))
       if args.decompose == 'finetuned':
-        name = f'{task}-original-s{seed}'
-        first.append(run(name, task, seed, {}, method='original', key_dim=None, stage=1))
         sources[task, seed] = runs_dir / name
-      elif not args.variant:
-        first.append(
-            run(
-                f'{task}-original-s{seed}', task, seed, {}, method='original', key_dim=None, stage=1
-            )
-        )
   results = grid(first, args)
   if args.decompose == 'finetuned' and len(results['runs']) < len(first):
     return  # the conversions need every fine-tuned original; rerun when they are done
@@ -190,18 +187,6 @@ def main():
                 method='original',
                 key_dim=None,
                 stage=2,
-            )
-        )
-      elif args.variant:  # the control: the pretrained encoder fine-tuned with that budget
-        first.append(
-            run(
-                f'{task}-original{args.variant}-s{seed}',
-                task,
-                seed,
-                budget(task),
-                method='original',
-                key_dim=None,
-                stage=1,
             )
         )
       for key_dim in args.key_dims:
