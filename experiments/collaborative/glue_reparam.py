@@ -158,10 +158,12 @@ def main():
   # The first fine-tune of the pretrained encoder: what `finetuned` converts, and for
   # `pretrained` the control (the conversions fine-tuned once, the same way: with another
   # budget, that budget). The recipe's runs are shared with the other protocol's: a finished
-  # one in --runs_dir counts as done.
+  # one in --runs_dir counts as done, and so does one that results.json records, unless runs
+  # still to do start from it and its directory is gone: then it runs again (`needed`).
   own_budget = args.decompose == 'pretrained' and bool(args.variant)
   sources = {}  # (task, seed) -> the run directory the conversions start from
-  first = []
+  first, needed = [], set()
+  done = runner.recorded(args.out)
   for seed in args.seeds:
     for task in args.tasks:
       name = f'{task}-original{args.variant if own_budget else ""}-s{seed}'
@@ -169,7 +171,9 @@ def main():
       first.append(run(name, task, seed, overrides, method='original', key_dim=None, stage=1))
       if args.decompose == 'finetuned':
         sources[task, seed] = runs_dir / name
-  results = grid(first, args)
+        if not set(dependents(task, seed, args)) <= done:
+          needed.add(name)
+  results = grid(first, args, needed)
   if args.decompose == 'finetuned' and len(results['runs']) < len(first):
     return  # the conversions need every fine-tuned original; rerun when they are done
 
@@ -180,7 +184,7 @@ def main():
       if args.decompose == 'finetuned':
         second.append(
             run(
-                f'{task}-original-again{args.variant}-s{seed}',
+                again_name(task, seed, args),
                 task,
                 seed,
                 {'init_from': str(source), **budget(task)},
@@ -193,12 +197,10 @@ def main():
         for method in args.methods:
           directory = converted(source, task, seed, method, key_dim, args, runs_dir)
           conversion = json.loads((directory / 'conversion.json').read_text())
-          # The protocols share --runs_dir (and the first fine-tune): distinct names.
-          protocol = '' if args.decompose == 'finetuned' else 'pretrained-'
-          name = f'{task}-{protocol}{method}-k{key_dim}{args.variant}-s{seed}'
+          name = second_name(task, seed, method, key_dim, args)
           errors[name] = conversion['relative_errors']
           if args.decompose == 'finetuned':  # the pretrained model has no task head to score
-            as_converted = f'{task}-{method}-k{key_dim}-s{seed}-before'  # any budget's
+            as_converted = before_name(task, seed, method, key_dim)
             errors[as_converted] = conversion['relative_errors']
             before.append(
                 run(
@@ -229,14 +231,48 @@ def main():
                   stage=2,
               )
           )
-  results = grid(first + before + second, args)
+  results = grid(first + before + second, args, needed)
   report(results, errors, args)
 
 
-def grid(runs, args):
+def again_name(task: str, seed: int, args) -> str:
+  return f'{task}-original-again{args.variant}-s{seed}'
+
+
+def second_name(task: str, seed: int, method: str, key_dim: int, args) -> str:
+  # The protocols share --runs_dir (and the first fine-tune): distinct names.
+  protocol = '' if args.decompose == 'finetuned' else 'pretrained-'
+  return f'{task}-{protocol}{method}-k{key_dim}{args.variant}-s{seed}'
+
+
+def before_name(task: str, seed: int, method: str, key_dim: int) -> str:
+  return f'{task}-{method}-k{key_dim}-s{seed}-before'  # any budget's
+
+
+def dependents(task: str, seed: int, args) -> list[str]:
+  """The runs that start from the fine-tuned original of `task` and `seed` (protocol
+  `finetuned`): its control fine-tuned again, and each conversion as converted and fine-tuned."""
+  names = [again_name(task, seed, args)]
+  for key_dim in args.key_dims:
+    for method in args.methods:
+      names += [
+          before_name(task, seed, method, key_dim),
+          second_name(task, seed, method, key_dim, args),
+      ]
+  return names
+
+
+def grid(runs, args, needed):
   if args.plot_only:
     return runner.load_results(args.out)
-  results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, **runner.grid_options(args))
+  names = {run.name for run in runs}
+  results = runner.run_grid(
+      runs,
+      args.out,
+      runs_dir=args.runs_dir,
+      rerun_lost=needed & names,
+      **runner.grid_options(args),
+  )
   keep_predictions(results, args)
   return results
 

@@ -505,14 +505,17 @@ def main():
     )
     return dataclasses.replace(train, config={'task': task, **record, **train.config})
 
-  # 1. The fine-tuned originals (glue_reparam's runs: same names and commands).
-  first, sources = [], {}
+  # 1. The fine-tuned originals (glue_reparam's runs: same names and commands). A finished run
+  # that results.json records counts as done without its directory, unless runs still to do
+  # start from it: then it runs again (`needed`).
+  first, sources, needed = [], {}, set()
   for seed in args.seeds:
     for task in args.tasks:
       name = f'{task}-original-s{seed}'
       first.append(run(name, task, seed, {}, method='original', stage=1))
       sources[task, seed] = runs_dir / name
-  results = grid(first, args)
+      needed |= needed_runs(task, seed, args)
+  results = grid(first, args, needed)
   if not finished(results, first):
     return print('the pruning needs every fine-tuned original; rerun when they are done')
 
@@ -541,7 +544,7 @@ def main():
               config={'task': task, 'method': 'analyse', 'stage': 2},
           )
       )
-  results = grid(first + analyses, args)
+  results = grid(first + analyses, args, needed)
   keep_analyses(results, args)
   if not finished(results, analyses):
     return print('the fine-tunes need every analysis; rerun when they are done')
@@ -555,10 +558,9 @@ def main():
     for task in args.tasks:
       source = str(sources[task, seed])
       budget = {} if args.l0_epochs is None else configs.glue.epochs_budget(task, args.l0_epochs)
-      again = 'original-again' + ('' if args.l0_epochs is None else f'-e{args.l0_epochs:g}')
       second.append(
           run(
-              f'{task}-{again}-s{seed}',
+              again_name(task, seed, args),
               task,
               seed,
               {'init_from': source, **budget},
@@ -569,7 +571,7 @@ def main():
       for lam in args.lambdas:
         second.append(
             run(
-                f'{task}-l0-{lam:g}-s{seed}',
+                l0_name(task, lam, seed),
                 task,
                 seed,
                 {
@@ -589,7 +591,7 @@ def main():
       for name, pruned in record['finetune'].items():
         second.append(
             run(
-                f'{task}-{name}-ft-s{seed}',
+                finetune_name(task, name, seed),
                 task,
                 seed,
                 {
@@ -604,9 +606,40 @@ def main():
                 stage=2,
             )
         )
-  results = grid(first + analyses + second, args)
+  results = grid(first + analyses + second, args, needed)
   keep_gates(results, args)
   report(results, args)
+
+
+def again_name(task: str, seed: int, args) -> str:
+  budget = '' if args.l0_epochs is None else f'-e{args.l0_epochs:g}'
+  return f'{task}-original-again{budget}-s{seed}'
+
+
+def l0_name(task: str, lam: float, seed: int) -> str:
+  return f'{task}-l0-{lam:g}-s{seed}'
+
+
+def finetune_name(task: str, pruned: str, seed: int) -> str:
+  return f'{task}-{pruned}-ft-s{seed}'
+
+
+def needed_runs(task: str, seed: int, args) -> set[str]:
+  """The runs of `task` and `seed` that runs still to do start from, by what results.json and
+  pruning.json record: the fine-tuned original (the analysis, the L0 runs and their control
+  start from its checkpoint) and the analysis (its pruned models are fine-tuned). A run
+  directory lost between sessions is then made again instead of failing the runs after it."""
+  done = runner.recorded(args.out)
+  record = (runner.files.read_json(args.out / ANALYSIS_FILE) or {}).get(f'{task}-s{seed}')
+  if record is None:
+    tuned_pending = True  # the fine-tunes are named by the analysis
+  else:
+    tuned_pending = any(finetune_name(task, p, seed) not in done for p in record['finetune'])
+  second = [again_name(task, seed, args)] + [l0_name(task, lam, seed) for lam in args.lambdas]
+  needed = {f'{task}-analyse-s{seed}'} if tuned_pending else set()
+  if needed or f'{task}-analyse-s{seed}' not in done or not set(second) <= done:
+    needed.add(f'{task}-original-s{seed}')
+  return needed
 
 
 def finished(results, runs) -> bool:
@@ -615,8 +648,15 @@ def finished(results, runs) -> bool:
   return all(run.name in done for run in runs)
 
 
-def grid(runs, args):
-  results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, **runner.grid_options(args))
+def grid(runs, args, needed):
+  names = {run.name for run in runs}
+  results = runner.run_grid(
+      runs,
+      args.out,
+      runs_dir=args.runs_dir,
+      rerun_lost=needed & names,
+      **runner.grid_options(args),
+  )
   keep_predictions(results, args)
   return results
 

@@ -60,5 +60,6 @@ from experiments.runner.results import (
     load_results,
     read_metrics,
     read_run,
+    recorded,
     runs_summary,
 )

@@ -6,7 +6,7 @@ state back.
 """
 
 import argparse
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 import ctypes
 import dataclasses
 import datetime
@@ -151,7 +151,7 @@ def run_grid(
     cwd: str | os.PathLike | None = None,
     env: Mapping[str, str] | None = None,
     refresh: bool = False,
-    rerun_lost: bool = False,
+    rerun_lost: bool | Collection[str] = False,
     pin_cpus: bool = False,
     tail_lines: int = 20,
     stop_timeout_s: float = 120.0,
@@ -173,6 +173,9 @@ def run_grid(
   refresh: collect finished runs again (after changing a collector), rewriting their DONE.
   rerun_lost: a run recorded in results.json whose directory is gone runs again instead of
     counting as finished; its old entry stays in results.json until the new run finishes.
+    True for every such run, or the names of those to run again: the runs whose directories
+    later runs still to do start from (a checkpoint to fine-tune), which a record cannot
+    stand in for.
   pin_cpus: split the CPUs this process may use into `parallel` equal slots, each running
     command bound to one (`sched_setaffinity`); with one CPU per slot, XLA runs single-threaded
     (XLA_FLAGS). On a 2-core CPU two pinned Multi30k trainings make 0.64 steps/s together
@@ -269,7 +272,11 @@ class _Grid:
   def rundir(self, run: Run) -> pathlib.Path:
     return self.runs_dir / run.name
 
-  def run(self, refresh: bool, rerun_lost: bool = False) -> None:
+  def run(self, refresh: bool, rerun_lost: bool | Collection[str] = False) -> None:
+    again = set() if isinstance(rerun_lost, bool) else set(rerun_lost)
+    unknown = sorted(again - {run.name for run in self.runs})
+    if unknown:
+      raise ValueError(f'grid: rerun_lost names runs that are not in the grid: {unknown}')
     conflicts = []
     for run in self.runs:
       entry = files.read_json(self.rundir(run) / DONE_FILE)
@@ -277,10 +284,12 @@ class _Grid:
         entry = self.recorded.get(run.name)
         if entry is None or not _same_command(entry['command'], run.command, self.runs_dir):
           continue
-        if rerun_lost:
+        if rerun_lost is True or run.name in again:
           _say(
               f'grid: {run.name} is recorded as finished, but its run directory holds no DONE '
-              '(it was lost): running it again'
+              '(it was lost)'
+              + (', and runs still to do start from it' if again else '')
+              + ': running it again'
           )
           self.previous[run.name] = entry
           continue

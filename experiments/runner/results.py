@@ -56,6 +56,14 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
   return json.loads((path / RESULTS_FILE if path.is_dir() else path).read_text())
 
 
+def recorded(path: str | os.PathLike) -> set[str]:
+  """The names of the runs results.json (the file or its folder) records as finished; none
+  if it does not exist yet."""
+  path = pathlib.Path(path)
+  found = files.read_json(path / RESULTS_FILE if path.is_dir() else path)
+  return {entry['name'] for entry in (found or {}).get('runs', [])}
+
+
 def final(results: Mapping[str, Any], split: str | None = None) -> list[dict[str, Any]]:
   """One row per finished run: name, seed, its config, wall time, result.json's values and,
   given a split, that split's last metrics line (highest step)."""

@@ -168,3 +168,55 @@ def test_kept_predictions_must_give_the_recorded_score(tmp_path):
     gp._predictions(args, row('level-0.3', 62.5))
   with pytest.raises(ValueError, match='rte-ft: its kept predictions score 75.0000'):
     gp._predictions(args, row(None, 50.0))
+
+
+def test_a_lost_run_that_runs_still_to_do_start_from_is_needed_again(tmp_path):
+  """results.json stands for a finished run whose directory is gone, except where a run still
+  to do starts from it: the fine-tuned original while the analysis, an L0 run, the control or
+  a pruned fine-tune is not recorded; the analysis while a pruned fine-tune is not."""
+  import json  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+
+  args = types.SimpleNamespace(out=tmp_path, lambdas=[0.01, 0.1], l0_epochs=None)
+  original, analyse = 'mrpc-original-s0', 'mrpc-analyse-s0'
+  second = ['mrpc-original-again-s0', 'mrpc-l0-0.01-s0', 'mrpc-l0-0.1-s0']
+  tuned = ['mrpc-michel-p0.5-ft-s0', 'mrpc-random0-p0.5-ft-s0']
+
+  def needed(*names):
+    (tmp_path / 'results.json').write_text(json.dumps({'runs': [{'name': n} for n in names]}))
+    return gp.needed_runs('mrpc', 0, args)
+
+  assert gp.needed_runs('mrpc', 0, args) == {original, analyse}  # nothing recorded yet
+  assert needed(original, analyse, *second) == {original, analyse}  # the fine-tunes unnamed
+  record = {'finetune': {'michel-p0.5': {}, 'random0-p0.5': {}}}
+  (tmp_path / gp.ANALYSIS_FILE).write_text(json.dumps({'mrpc-s0': record}))
+  assert needed(original, analyse, *second, tuned[0]) == {original, analyse}
+  assert needed(original, analyse, *second[:2], *tuned) == {original}
+  assert needed(original, *second, *tuned) == {original}  # the analysis starts from it
+  assert needed(original, analyse, *second, *tuned) == set()
+  assert gp.needed_runs('stsb', 0, args) == {'stsb-original-s0', 'stsb-analyse-s0'}
+
+
+@pytest.mark.parametrize('script', ['glue_pruning', 'glue_reparam'])
+def test_the_grids_run_again_the_needed_runs_of_their_own(tmp_path, monkeypatch, script):
+  """Both GLUE scripts hand the runner, of the needed runs, those in the grid it runs (the
+  first grid holds the originals only)."""
+  import argparse  # pylint: disable=g-import-not-at-top
+
+  from experiments import runner  # pylint: disable=g-import-not-at-top
+  from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
+
+  module = gp if script == 'glue_pruning' else glue_reparam
+  seen = {}
+
+  def run_grid(runs, out, runs_dir, rerun_lost, **options):
+    seen['rerun_lost'] = rerun_lost
+    return {'runs': [], 'runs_dir': str(runs_dir)}
+
+  monkeypatch.setattr(runner, 'run_grid', run_grid)
+  args = argparse.Namespace(
+      out=tmp_path, runs_dir=tmp_path, parallel=1, refresh=False, pin_cpus=False, plot_only=False
+  )
+  runs = [runner.Run('mrpc-original-s0', ['true'])]
+  module.grid(runs, args, {'mrpc-original-s0', 'mrpc-analyse-s0'})
+  assert seen['rerun_lost'] == {'mrpc-original-s0'}

@@ -579,6 +579,22 @@ def test_rerun_lost_runs_a_recorded_run_again_and_its_old_entry_stands_until_the
   assert mark.read_text() == 'xxx'
 
 
+def test_rerun_lost_by_name_runs_again_only_the_named_lost_runs(tmp_path):
+  """An experiment names the lost runs that later runs start from (their checkpoints): those
+  run again, the other recorded runs still count as finished, and a name outside the grid is
+  an error before anything runs."""
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  count = lambda name: py(f"open({str(tmp_path / name)!r}, 'a').write('x')")
+  runs = [runner.Run('source', count('source')), runner.Run('other', count('other'))]
+  runner.run_grid(runs, out, runs_dir=runs_dir)
+  shutil.rmtree(runs_dir)  # a new machine
+  with pytest.raises(ValueError, match="not in the grid: \\['typo'\\]"):
+    runner.run_grid(runs, out, runs_dir=runs_dir, rerun_lost={'typo'})
+  runner.run_grid(runs, out, runs_dir=runs_dir, rerun_lost={'source'})
+  assert (tmp_path / 'source').read_text() == 'xx' and (tmp_path / 'other').read_text() == 'x'
+  assert runner.recorded(out) == {'source', 'other'} and runner.recorded(tmp_path) == set()
+
+
 def test_pinned_runs_each_get_cpus_of_their_own_and_single_threaded_xla(tmp_path):
   usable = sorted(os.sched_getaffinity(0))
   parallel = min(2, len(usable))

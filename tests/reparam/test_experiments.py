@@ -437,10 +437,11 @@ def test_glue_reparam_plans_each_protocol_with_the_first_fine_tune_as_its_start_
 
   from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
 
-  planned, sources = [], []
+  planned, sources, needed = [], [], []
 
-  def grid(runs, args):
+  def grid(runs, args, rerun):
     planned.append(list(runs))
+    needed.append(set(rerun))
     return {'runs': [{'name': r.name} for r in runs]}
 
   def converted(source, task, seed, method, key_dim, args, runs_dir):
@@ -454,11 +455,13 @@ def test_glue_reparam_plans_each_protocol_with_the_first_fine_tune_as_its_start_
   monkeypatch.setattr(glue_reparam, 'grid', grid)
   monkeypatch.setattr(glue_reparam, 'converted', converted)
   monkeypatch.setattr(glue_reparam, 'report', lambda *args: None)
+  monkeypatch.setattr(glue_reparam, 'OUT', tmp_path / 'out')  # nothing recorded yet
   runs = tmp_path / 'runs'
 
   def plan(*extra):
     planned.clear()
     sources.clear()
+    needed.clear()
     monkeypatch.setattr(
         sys,
         'argv',
@@ -502,3 +505,17 @@ def test_glue_reparam_plans_each_protocol_with_the_first_fine_tune_as_its_start_
   assert init in by_name[conversion].command
   for name in (control, conversion):
     assert all((arg in by_name[name].command) == bool(variant) for arg in budget), name
+
+  # The first fine-tune, recorded in results.json with its directory gone (a new machine), runs
+  # again while a run still to do starts from it, and not once they all are recorded.
+  if decompose == 'pretrained':  # the conversions start from the pretrained encoder
+    assert needed[0] == set()
+    return
+  assert needed[0] == {'stsb-original-s0'}
+  out = tmp_path / 'out' / suffix[1:]
+  out.mkdir(parents=True, exist_ok=True)
+  for pending in (control, None):
+    recorded = [{'name': name} for name in sorted(expected - {pending})]
+    (out / 'results.json').write_text(json.dumps({'runs': recorded}))
+    plan(*variant)
+    assert needed[0] == ({'stsb-original-s0'} if pending else set()), pending
