@@ -263,8 +263,10 @@ def dependents(task: str, seed: int, args) -> list[str]:
 
 
 def grid(runs, args, needed):
-  if args.plot_only:
-    return runner.load_results(args.out)
+  if args.plot_only:  # no runs; the predictions their directories still hold are kept first
+    results = runner.load_results(args.out)
+    keep_predictions(results, args)
+    return results
   names = {run.name for run in runs}
   results = runner.run_grid(
       runs,

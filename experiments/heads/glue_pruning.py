@@ -64,7 +64,9 @@ and the roles question: for each lambda (and Michel level) the share of the head
 among all 72. Files: `glue/results.json` (runner), `glue/pruning.json` (the in-process curves,
 every number), `glue/gates.json` (the L0 runs' heads kept and gate values),
 `glue/table.json`, `glue/predictions/`, `glue/<task>.png`, and README.md's
-section `glue_pruning`. `--smoke`: RTE, 4-step fine-tunes at max_length 32, 64 importance
+section `glue_pruning`. `--plot_only`: no runs; the report of the runs results.json records,
+after keeping what their run directories still hold (predictions, analyses, gates): the report
+of a grid stopped midway (the full command would start the runs still to do). `--smoke`: RTE, 4-step fine-tunes at max_length 32, 64 importance
 examples, levels 0 and 0.5; everything under --runs_dir (smoke_results/), README untouched.
 """
 
@@ -496,8 +498,12 @@ def main():
     return analyse(sys.argv[2:])
   args = arguments()
   runs_dir = pathlib.Path(args.runs_dir).resolve()
-  if args.plot_only:
-    return report(runner.load_results(args.out), args)
+  if args.plot_only:  # no runs; what the run directories of its runs still hold is kept first
+    results = runner.load_results(args.out)
+    keep_predictions(results, args)
+    keep_analyses(results, args)
+    keep_gates(results, args)
+    return report(results, args)
 
   def run(name, task, seed, overrides, config='configs/glue.py:{task}', **record):
     train = runner.train_run(

@@ -220,3 +220,39 @@ def test_the_grids_run_again_the_needed_runs_of_their_own(tmp_path, monkeypatch,
   runs = [runner.Run('mrpc-original-s0', ['true'])]
   module.grid(runs, args, {'mrpc-original-s0', 'mrpc-analyse-s0'})
   assert seen['rerun_lost'] == {'mrpc-original-s0'}
+
+
+def test_plot_only_keeps_what_the_run_directories_hold_before_the_report(tmp_path, monkeypatch):
+  """After a grid stopped midway, --plot_only reports its finished runs: their predictions,
+  analyses and gates are kept first (the full command would start the others)."""
+  import json  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  (tmp_path / 'results.json').write_text(json.dumps({'runs': [], 'runs_dir': str(tmp_path)}))
+  calls = []
+  for name in ('keep_predictions', 'keep_analyses', 'keep_gates', 'report'):
+    monkeypatch.setattr(gp, name, lambda *args, name=name: calls.append(name))
+  monkeypatch.setattr(gp, 'OUT', tmp_path)
+  monkeypatch.setattr(sys, 'argv', ['glue_pruning', f'--runs_dir={tmp_path}', '--plot_only'])
+  gp.main()
+  assert calls == ['keep_predictions', 'keep_analyses', 'keep_gates', 'report']
+
+
+def test_glue_reparam_plot_only_keeps_the_predictions_its_run_directories_hold(tmp_path):
+  import argparse  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+
+  from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
+
+  runs_dir, out = tmp_path / 'runs', tmp_path / 'out'
+  for step in (9, 10):  # the last step's, not the last name's
+    found = runs_dir / 'rte-original-s0' / 'final_eval' / str(step)
+    found.mkdir(parents=True)
+    (found / glue_reparam.PREDICTIONS).write_text(json.dumps({'step': step}))
+  out.mkdir()
+  recorded = {'runs': [{'name': 'rte-original-s0'}], 'runs_dir': str(runs_dir)}
+  (out / 'results.json').write_text(json.dumps(recorded))
+  args = argparse.Namespace(out=out, plot_only=True)
+  assert glue_reparam.grid([], args, set()) == recorded
+  kept = json.loads((out / 'predictions' / 'rte-original-s0.json').read_text())
+  assert kept == {'step': 10}
