@@ -242,7 +242,7 @@ def role_shares(
     keep: np.ndarray, roles: dict, kinds=('any', 'positional', 'syntactic', 'rare')
 ) -> dict:
   """Per kind of role: role heads among the survivors of `keep` against among all heads,
-  and the chance of at least as many under random survival (hypergeometric)."""
+  and the chances of at least and of at most as many under random survival (hypergeometric)."""
   keep = np.asarray(keep, bool)
   total, kept = keep.size, int(keep.sum())
   out = {'heads': total, 'kept': kept}
@@ -259,6 +259,7 @@ def role_shares(
         'share_kept': hits / kept if kept else None,
         'share_all': len(marked) / total,
         'p_at_least': upper_tail(total, len(marked), kept, hits),
+        'p_at_most': 1 - upper_tail(total, len(marked), kept, hits + 1),
     }
   return out
 
@@ -799,16 +800,33 @@ def report(results, args) -> None:
     summary[task] = entry
     sections += [f'#### {task}', '', table, '', f'![{task}]({task}.png)', '', roles_text, '']
   runner.files.write_json(args.out / 'table.json', summary)
+  where = pathlib.Path(args.roles).resolve()
+  if where.is_relative_to(runner.REPO_ROOT):  # as the README's readers have it
+    where = where.relative_to(runner.REPO_ROOT)
   roles_note = (
-      f'Roles: `{args.roles}`.'
+      f'Roles: `{where}`.'
       if roles is not None
-      else f'Roles: `{args.roles}` does not exist yet; the role columns are left out.'
+      else f'Roles: `{where}` does not exist yet; the role columns are left out.'
   )
   text = '\n'.join([runner.runs_summary(results), '', roles_note, '', *sections])
   (args.out / 'results.md').write_text(text + '\n')
   print(text)
   if not args.smoke:
     runner.write_section(HERE / 'README.md', 'glue_pruning', text)
+
+
+def constant_score(task: str, labels) -> float:
+  """The best dev score of a model that ignores its input: one class for every example (for
+  accuracy the majority class, for MRPC's mean of F1 and accuracy the better of the two), or
+  one similarity (STS-B: no correlation, 0). A pruned model near it has lost the task."""
+  from lowrank_attn.tasks.glue import glue_metrics  # pylint: disable=g-import-not-at-top
+
+  labels = np.asarray(labels)
+  if task == 'stsb':
+    return glue_metrics(task, np.zeros(labels.shape), labels)['score']
+  return max(
+      glue_metrics(task, np.full(labels.shape, c), labels)['score'] for c in np.unique(labels)
+  )
 
 
 def task_report(task, rows, roles, args):
@@ -818,6 +836,8 @@ def task_report(task, rows, roles, args):
   by = lambda **kw: [r for r in rows if all(r.get(k) == v for k, v in kw.items())]
   unpruned = by(method='unpruned')
   lines = []
+  found = _predictions(args, unpruned[0]) if unpruned else None
+  constant = constant_score(task, found[1]) if found else None
 
   def line(label, group, against=unpruned, against_label='unpruned', **extra):
     if not group:
@@ -896,7 +916,12 @@ def task_report(task, rows, roles, args):
           ('runs', 'n'),
       ],
   )
-  plot(task, rows, args.out / f'{task}.png')
+  if constant is not None:
+    table += (
+        f'\n\nA constant prediction (`constant_score`: the best single answer for every dev '
+        f'example) scores {constant:.2f}.'
+    )
+  plot(task, rows, args.out / f'{task}.png', constant)
 
   roles_rows = []
   if roles is not None:
@@ -921,11 +946,13 @@ def task_report(task, rows, roles, args):
           )
   cell = lambda kind: lambda e: (
       f"{e[kind]['kept']}/{e['kept']} = {100 * (e[kind]['share_kept'] or 0):.0f}% vs "
-      f"{100 * e[kind]['share_all']:.0f}% (p={e[kind]['p_at_least']:.2f})"
+      f"{100 * e[kind]['share_all']:.0f}% (p≥ {e[kind]['p_at_least']:.2f}, "
+      f"p≤ {e[kind]['p_at_most']:.2f})"
   )
   roles_text = (
-      'Role heads among the survivors vs among all 72 (p: chance of at least as many '
-      'under random survival):\n\n'
+      'Role heads among the survivors vs among all 72 (p≥, p≤: the chances of at least and '
+      'of at most as many under random survival of as many heads, hypergeometric; one test '
+      "per cell, not corrected for the table's many):\n\n"
       + runner.markdown_table(
           roles_rows,
           [
@@ -938,10 +965,10 @@ def task_report(task, rows, roles, args):
       if roles_rows
       else ''
   )
-  return table, roles_text, {'rows': lines, 'roles': roles_rows}
+  return table, roles_text, {'rows': lines, 'roles': roles_rows, 'constant': constant}
 
 
-def plot(task, rows, out) -> None:
+def plot(task, rows, out, constant=None) -> None:
   """Dev score vs heads kept: one line per method, random's band over its order seeds."""
   labels = {
       'unpruned': 'unpruned',
@@ -956,6 +983,10 @@ def plot(task, rows, out) -> None:
       {'method': labels[r['method']], 'heads kept': r['heads_kept'], 'score': r['score']}
       for r in rows
   ]
+  if constant is not None:  # a flat line across the plot
+    points += [
+        {'method': 'constant prediction', 'heads kept': kept, 'score': constant} for kept in (0, 72)
+    ]
   runner.plot_lines(
       points,
       x='heads kept',

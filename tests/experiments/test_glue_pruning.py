@@ -145,6 +145,8 @@ def test_role_shares_count_the_survivors_with_roles():
   marked = {h for h, labels in roles.items() if labels}
   expected = sum(len(marked & set(d)) >= 2 for d in draws) / len(draws)
   assert shares['any']['p_at_least'] == pytest.approx(expected)
+  at_most = sum(len(marked & set(d)) <= 2 for d in draws) / len(draws)
+  assert shares['any']['p_at_most'] == pytest.approx(at_most)
 
 
 def test_kept_predictions_must_give_the_recorded_score(tmp_path):
@@ -256,3 +258,14 @@ def test_glue_reparam_plot_only_keeps_the_predictions_its_run_directories_hold(t
   assert glue_reparam.grid([], args, set()) == recorded
   kept = json.loads((out / 'predictions' / 'rte-original-s0.json').read_text())
   assert kept == {'step': 10}
+
+
+def test_the_constant_prediction_scores_the_best_single_answer():
+  """By hand: labels 1,1,1,0. All 1: accuracy 75, F1 2*3/(4+3) = 85.71 (MRPC: their mean);
+  all 0: accuracy 25, F1 0. Matthews' correlation and STS-B's correlations of a constant: 0."""
+  labels = np.array([1, 1, 1, 0])
+  assert gp.constant_score('mrpc', labels) == pytest.approx((75 + 600 / 7) / 2)
+  assert gp.constant_score('sst2', labels) == pytest.approx(75)
+  assert gp.constant_score('rte', 1 - labels) == pytest.approx(75)  # the other class
+  assert gp.constant_score('cola', labels) == 0
+  assert gp.constant_score('stsb', np.array([0.5, 4.0, 2.5, 3.0])) == 0
