@@ -81,7 +81,9 @@ import sys
 import numpy as np
 
 from experiments import runner
-from experiments.collaborative.glue_reparam import check_score, keep_predictions
+
+# The grid: the runs, of the needed ones those in it rerun if lost, then the predictions kept.
+from experiments.collaborative.glue_reparam import check_score, grid, keep_predictions
 
 HERE = pathlib.Path(__file__).resolve().parent
 OUT = HERE / 'glue'
@@ -653,19 +655,6 @@ def finished(results, runs) -> bool:
   """Whether every run of `runs` is among results.json's finished runs."""
   done = {entry['name'] for entry in results['runs']}
   return all(run.name in done for run in runs)
-
-
-def grid(runs, args, needed):
-  names = {run.name for run in runs}
-  results = runner.run_grid(
-      runs,
-      args.out,
-      runs_dir=args.runs_dir,
-      rerun_lost=needed & names,
-      **runner.grid_options(args),
-  )
-  keep_predictions(results, args)
-  return results
 
 
 def keep_analyses(results, args) -> None:
