@@ -860,9 +860,12 @@ def task_report(task, rows, roles, args):
   l0 = sorted({r['lambda'] for r in rows if r['method'] == 'L0 gates'})
   michel = {level: by(method='Michel', level=level) for level in levels}
   michel_ft = {level: by(method='Michel+ft', level=level) for level in levels}
+  again = by(method='fine-tuned again')  # the same second fine-tune without gates
   for lam in l0:
     group = by(method='L0 gates', **{'lambda': lam})
     entry = line('L0 gates', group, **{'lambda': lam})
+    if again:
+      entry['minus_again'] = _interval(task, again, group, args)
     for label, curve in (('Michel', michel), ('Michel+ft', michel_ft)):
       done = {k: v for k, v in curve.items() if v}
       if not done:
@@ -900,6 +903,7 @@ def task_report(task, rows, roles, args):
           ('heads kept', lambda e: f"{e['heads_kept']:g}"),
           ('dev score', score),
           ('− unpruned [95%]', lambda e: interval(e.get('minus_unpruned'))),
+          ('L0 − fine-tuned again [95%]', lambda e: interval(e.get('minus_again'))),
           ('L0 − Michel, nearest [95%]', lambda e: versus(e, 'Michel')),
           ('L0 − Michel+ft, nearest [95%]', lambda e: versus(e, 'Michel+ft')),
           ('runs', 'n'),

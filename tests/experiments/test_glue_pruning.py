@@ -269,3 +269,42 @@ def test_the_constant_prediction_scores_the_best_single_answer():
   assert gp.constant_score('rte', 1 - labels) == pytest.approx(75)  # the other class
   assert gp.constant_score('cola', labels) == 0
   assert gp.constant_score('stsb', np.array([0.5, 4.0, 2.5, 3.0])) == 0
+
+
+def test_the_report_sets_each_l0_run_against_the_fine_tune_without_gates(tmp_path):
+  """Voita's control: the L0 run against the same second fine-tune without gates (not only
+  against the model both start from), with its paired interval; and the floor of a constant
+  prediction. Accuracy on SST-2-like labels, so the scores are fractions of 8 by hand."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+
+  labels = [1, 1, 1, 1, 1, 0, 0, 0]
+  answers = {  # right on 4, 6 and 7 of the 8
+      'unpruned': [1, 1, 1, 1, 0, 1, 1, 1],
+      'again': [1, 1, 1, 1, 1, 1, 0, 1],
+      'l0': [1, 1, 1, 1, 1, 1, 0, 0],
+  }
+  (tmp_path / 'predictions').mkdir()
+  for name, predictions in answers.items():
+    found = {'predictions': predictions, 'labels': labels}
+    (tmp_path / 'predictions' / f'{name}.json').write_text(json.dumps(found))
+  row = lambda name, method, score, **extra: {
+      'task': 'sst2',
+      'seed': 0,
+      'score': score,
+      'method': method,
+      'source': (name, None),
+      **extra,
+  }
+  rows = [
+      row('unpruned', 'unpruned', 50.0, heads_kept=72, level=0.0),
+      row('again', 'fine-tuned again', 75.0, heads_kept=72, level=0.0),
+      row('l0', 'L0 gates', 87.5, heads_kept=40, keep=[[1] * 12] * 6, **{'lambda': 0.03}),
+  ]
+  args = argparse.Namespace(out=tmp_path, finetune_levels=[0.3])
+  table, _, entry = gp.task_report('sst2', rows, None, args)
+  l0 = next(e for e in entry['rows'] if e['method'] == 'L0 gates')
+  assert l0['minus_again']['estimate'] == pytest.approx(12.5)
+  assert l0['minus_unpruned']['estimate'] == pytest.approx(37.5)
+  assert entry['constant'] == pytest.approx(62.5)  # five of eight are 1
+  assert 'L0 − fine-tuned again' in table and '+12.50' in table
