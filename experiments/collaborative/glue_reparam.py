@@ -4,7 +4,7 @@ r"""Table 3 of Cordonnier et al. (2020) at MiniLM scale: GLUE after re-parametri
         [--tasks=rte,mrpc,stsb,cola,sst2] [--key_dims=384,256,192,128,96,64,48]
         [--methods=collaborative,collaborative_rescaled,per_head_svd] [--seeds=0,1,2]
         [--decompose=finetuned|pretrained] [--second_epochs=E] [--second_learning_rate=LR]
-        [--parallel=N] [--smoke]
+        [--parallel=N] [--plot_only] [--smoke]
 
 The paper's protocol (its code's README, `run_glue.py --mix_heads --mix_size D~k`): fine-tune
 the pretrained encoder on the task, decompose the fine-tuned model's attention into
@@ -37,6 +37,9 @@ predictions (`final_eval/<step>/validation_predictions.json`), copied next to th
 `glue/predictions/` as runs finish, feed the table: the task scores (mean over seeds), their
 average, and a 95% bootstrap interval over dev examples for the difference of each row's
 average to the original's (`experiments.stats`). Beside it, the paper's BERT-base rows.
+Each conversion's relative errors are kept in `glue/conversions.json` (by run name), so that
+`--plot_only` redraws the tables and plots from committed files alone (no run directory, no
+conversion).
 
 Cost: one fine-tune of MiniLM takes 22 (RTE) to 45 (STS-B) minutes on the 2-core CPU and hours
 for SST-2; the full grid is ~23 fine-tunes per task and seed: a GPU job (`--parallel`). Runs
@@ -132,9 +135,15 @@ def arguments():
   return args
 
 
+CONVERSIONS = 'conversions.json'
+
+
 def main():
   args = arguments()
   runs_dir = pathlib.Path(args.runs_dir).resolve()
+  if args.plot_only:  # from the committed files; the predictions run directories still hold
+    results = grid([], args, set())
+    return report(results, runner.files.read_json(args.out / CONVERSIONS) or {}, args)
 
   def run(name, task, seed, overrides, fixed=None, **config):
     train = runner.train_run(
@@ -231,6 +240,9 @@ def main():
                   stage=2,
               )
           )
+  kept = runner.files.read_json(args.out / CONVERSIONS) or {}
+  args.out.mkdir(parents=True, exist_ok=True)
+  runner.files.write_json(args.out / CONVERSIONS, {**kept, **errors})
   results = grid(first + before + second, args, needed)
   report(results, errors, args)
 

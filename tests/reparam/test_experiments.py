@@ -508,14 +508,43 @@ def test_glue_reparam_plans_each_protocol_with_the_first_fine_tune_as_its_start_
 
   # The first fine-tune, recorded in results.json with its directory gone (a new machine), runs
   # again while a run still to do starts from it, and not once they all are recorded.
+  out = tmp_path / 'out' / ('' if decompose == 'finetuned' else 'pretrained') / suffix[1:]
+  assert conversion in json.loads((out / 'conversions.json').read_text())  # for --plot_only
   if decompose == 'pretrained':  # the conversions start from the pretrained encoder
     assert needed[0] == set()
     return
   assert needed[0] == {'stsb-original-s0'}
-  out = tmp_path / 'out' / suffix[1:]
-  out.mkdir(parents=True, exist_ok=True)
   for pending in (control, None):
     recorded = [{'name': name} for name in sorted(expected - {pending})]
     (out / 'results.json').write_text(json.dumps({'runs': recorded}))
     plan(*variant)
     assert needed[0] == ({'stsb-original-s0'} if pending else set()), pending
+
+
+def test_glue_reparam_plot_only_needs_no_run_directory(tmp_path, monkeypatch):
+  """--plot_only on a fresh machine: the report from results.json and the conversions'
+  errors kept in conversions.json; nothing converted, nothing run."""
+  import json  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
+
+  out = tmp_path / 'out'
+  out.mkdir()
+  recorded = {'runs': [], 'runs_dir': str(tmp_path / 'gone')}
+  (out / 'results.json').write_text(json.dumps(recorded))
+  errors = {'rte-collaborative-k96-s0': {'layer0': 0.25}}
+  (out / 'conversions.json').write_text(json.dumps(errors))
+  reported = []
+
+  def refuse(*args):
+    raise AssertionError('--plot_only converted or ran something')
+
+  monkeypatch.setattr(glue_reparam, 'OUT', out)
+  monkeypatch.setattr(glue_reparam, 'converted', refuse)
+  monkeypatch.setattr(glue_reparam.runner, 'run_grid', refuse)
+  monkeypatch.setattr(glue_reparam, 'report', lambda results, e, args: reported.append(e))
+  argv = ['glue_reparam', f'--runs_dir={tmp_path / "gone"}', '--tasks=rte', '--plot_only']
+  monkeypatch.setattr(sys, 'argv', argv)
+  glue_reparam.main()
+  assert reported == [errors]
