@@ -198,6 +198,16 @@ def dev_predictions(model, batches, keep: np.ndarray | None = None):
   return np.concatenate(predictions), np.concatenate(labels)
 
 
+def stored(predicted: np.ndarray) -> list:
+  """Predictions as `predictions.json` keeps them: classes as they are, scores at float32's
+  shortest decimal (each reads back as the same float32; half the characters of float64's:
+  40 pruned models x 1,500 STS-B pairs made 1.2 MB)."""
+  predicted = np.asarray(predicted)
+  if np.issubdtype(predicted.dtype, np.integer):
+    return predicted.tolist()
+  return [float(str(x)) for x in predicted.astype(np.float32)]
+
+
 def first_examples(batches, count: int) -> list[dict]:
   """The batches holding the first `count` real examples, later rows' weights set to 0."""
   out, seen = [], 0
@@ -316,9 +326,9 @@ def analyse(argv) -> None:
     keep = keep_after(order, removed, shape)
     name = point_name(method, seed, level)
     predicted, labels = dev_predictions(model, dev, keep)
-    predictions[name] = predicted.tolist()
+    predictions[name] = stored(predicted)
     predictions.setdefault('labels', labels.tolist())
-    metrics = glue_metrics(task, predicted, labels)
+    metrics = glue_metrics(task, predictions[name], labels)  # what the kept file gives
     return {
         'name': name,
         'method': method,

@@ -308,3 +308,10 @@ def test_the_report_sets_each_l0_run_against_the_fine_tune_without_gates(tmp_pat
   assert l0['minus_unpruned']['estimate'] == pytest.approx(37.5)
   assert entry['constant'] == pytest.approx(62.5)  # five of eight are 1
   assert 'L0 − fine-tuned again' in table and '+12.50' in table
+
+
+def test_kept_scores_are_float32s_shortest_decimals_and_classes_stay():
+  scores = np.array([4.749688148498535, 0.26093870401382446], np.float32)
+  assert gp.stored(scores) == [4.749688, 0.2609387]
+  assert np.array_equal(np.float32(gp.stored(scores)), scores)  # the same float32s
+  assert gp.stored(np.array([1, 0, 1])) == [1, 0, 1]
