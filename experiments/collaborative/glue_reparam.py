@@ -321,17 +321,19 @@ def converted(source, task, seed, method, key_dim, args, runs_dir) -> pathlib.Pa
 
 def keep_predictions(results, args) -> None:
   """Copies each finished run's dev predictions next to the results (the bootstrap reads
-  them; run directories may not survive). A run whose directory is here wrote its entry, so its
-  predictions replace kept ones (a run trained again); a run whose directory is gone keeps
-  what was kept."""
+  them; run directories may not survive). A run whose directory holds the run its entry
+  records (`runner.holds_run`) replaces kept predictions (a run trained again); a run whose
+  directory is gone, or holds a run of that name trained since by another experiment that
+  shares the runs directory (glue_pruning's originals), keeps what was kept."""
   target = args.out / 'predictions'
   for entry in results['runs']:
     path = target / f'{entry["name"]}.json'
+    rundir = pathlib.Path(results['runs_dir'], entry['name'])
     found = sorted(
-        pathlib.Path(results['runs_dir'], entry['name'], 'final_eval').glob(f'*/{PREDICTIONS}'),
+        rundir.glob(f'final_eval/*/{PREDICTIONS}'),
         key=lambda p: int(p.parent.name),  # the last step's ('10' after '9')
     )
-    if found:
+    if found and runner.holds_run(entry, rundir):
       target.mkdir(parents=True, exist_ok=True)
       shutil.copyfile(found[-1], path)
 
@@ -438,9 +440,12 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
       entry[task] = float(np.mean(scores)) if scores else None
     done = [entry[t] for t in tasks if entry[t] is not None]
     entry['average'] = float(np.mean(done)) if len(done) == len(tasks) else None
+    # The conversions' mean relative error, over those conversions.json records (RTE's, run
+    # before it existed, are not): a row says when its mean covers only some of its runs.
     names = [r['name'] for r in group]
     errs = [np.mean(list(errors[n].values())) for n in names if n in errors]
     entry['mean_error'] = float(np.mean(errs)) if errs else None
+    entry['error_runs'] = [len(errs), len(names)]
     if (method, key_dim) != control:
       paired = {}
       for task in tasks:
@@ -457,13 +462,19 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
     summary.append(entry)
 
   cell = lambda v: '' if v is None else f'{v:.2f}'
+
+  def error_cell(e):
+    covered, runs = e['error_runs']
+    partial = f' ({covered} of {runs} runs)' if 0 < covered < runs else ''
+    return cell(e['mean_error']) + partial
+
   diff = lambda e: (str(stats.Interval(**e['difference'])) if 'difference' in e else '')
   table = runner.markdown_table(
       summary,
       [
           ('method', 'method'),
           ('D~k', lambda e: e['key_dim'] or 384),
-          ('CP / SVD error', lambda e: cell(e['mean_error'])),
+          ('CP / SVD error', error_cell),
       ]
       + [(task, lambda e, t=task: cell(e[t])) for task in tasks]
       + [

@@ -57,6 +57,7 @@ from experiments.runner.results import (
     bleu_of,
     final,
     history,
+    holds_run,
     load_results,
     read_metrics,
     read_run,

@@ -50,6 +50,14 @@ def read_run(rundir: str | os.PathLike) -> dict[str, Any]:
   return out
 
 
+def holds_run(entry: Mapping[str, Any], rundir: str | os.PathLike) -> bool:
+  """Whether `rundir` holds the run that results.json's `entry` records: its metrics lines
+  are the entry's (not a run of the same name trained again since, e.g. by another
+  experiment sharing the runs directory, whose results.json records that one)."""
+  metrics = [m for m in read_metrics(rundir) if m['split'] != 'hparams']  # as `read_run`
+  return metrics == entry.get('metrics')
+
+
 def load_results(path: str | os.PathLike) -> dict[str, Any]:
   """results.json, given the file or the experiment folder that holds it."""
   path = pathlib.Path(path)

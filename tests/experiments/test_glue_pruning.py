@@ -251,8 +251,11 @@ def test_glue_reparam_plot_only_keeps_the_predictions_its_run_directories_hold(t
     found = runs_dir / 'rte-original-s0' / 'final_eval' / str(step)
     found.mkdir(parents=True)
     (found / glue_reparam.PREDICTIONS).write_text(json.dumps({'step': step}))
+  line = {'split': 'validation', 'step': 10, 'score': 57.4}  # the run its entry records
+  (runs_dir / 'rte-original-s0' / 'metrics.jsonl').write_text(json.dumps(line) + '\n')
   out.mkdir()
-  recorded = {'runs': [{'name': 'rte-original-s0'}], 'runs_dir': str(runs_dir)}
+  entry = {'name': 'rte-original-s0', 'metrics': [line]}
+  recorded = {'runs': [entry], 'runs_dir': str(runs_dir)}
   (out / 'results.json').write_text(json.dumps(recorded))
   args = argparse.Namespace(out=out, plot_only=True)
   assert glue_reparam.grid([], args, set()) == recorded

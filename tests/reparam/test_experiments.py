@@ -262,22 +262,38 @@ def test_a_run_trained_again_replaces_its_kept_translations(tmp_path):
 
 def test_a_glue_run_trained_again_replaces_its_kept_predictions(tmp_path):
   """As for translations: the run directory's last final evaluation wins over kept
-  predictions, and a run whose directory is gone keeps its kept ones."""
+  predictions when the directory holds the run the entry records; a run whose directory is
+  gone keeps its kept ones, and so does one whose directory holds a run of the same name
+  trained since by another experiment (other metrics than the entry's)."""
   import argparse  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
 
   from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
 
   runs, out = tmp_path / 'runs', tmp_path / 'out'
   (out / 'predictions').mkdir(parents=True)
-  for name in ('rerun', 'lost'):
+  for name in ('rerun', 'lost', 'other'):
     (out / 'predictions' / f'{name}.json').write_text('"kept"')
-  for step, text in [(9, '"middle"'), (10, '"new"')]:  # step 10 is the last (not '9' > '10')
-    (runs / 'rerun' / 'final_eval' / str(step)).mkdir(parents=True)
-    (runs / 'rerun' / 'final_eval' / str(step) / glue_reparam.PREDICTIONS).write_text(text)
-  results = {'runs_dir': str(runs), 'runs': [{'name': 'rerun'}, {'name': 'lost'}]}
+  line = lambda score: {'split': 'validation', 'step': 10, 'score': score}
+  for name, score in [('rerun', 80.0), ('other', 81.0)]:
+    for step, text in [(9, '"middle"'), (10, '"new"')]:  # step 10 is the last (not '9' > '10')
+      (runs / name / 'final_eval' / str(step)).mkdir(parents=True)
+      (runs / name / 'final_eval' / str(step) / glue_reparam.PREDICTIONS).write_text(text)
+    hparams = {'split': 'hparams', 'step': 0}
+    lines = [json.dumps(hparams), json.dumps(line(score))]
+    (runs / name / 'metrics.jsonl').write_text('\n'.join(lines) + '\n')
+  results = {
+      'runs_dir': str(runs),
+      'runs': [
+          {'name': 'rerun', 'metrics': [line(80.0)]},
+          {'name': 'lost', 'metrics': [line(79.0)]},
+          {'name': 'other', 'metrics': [line(80.5)]},  # its directory: a later run's
+      ],
+  }
   glue_reparam.keep_predictions(results, argparse.Namespace(out=out))
   assert (out / 'predictions' / 'rerun.json').read_text() == '"new"'
   assert (out / 'predictions' / 'lost.json').read_text() == '"kept"'
+  assert (out / 'predictions' / 'other.json').read_text() == '"kept"'
 
 
 def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
@@ -360,6 +376,22 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   partial = {(e['method'], e['key_dim']): e for e in summary}['collaborative', 96]
   assert partial['average'] is None and 'difference' not in partial
   assert set(partial['task_differences']) == {'rte'}
+
+  # The conversions' error: the mean over the runs conversions.json records, and a row says
+  # when that is only some of them.
+  collaborative_names = [r['name'] for r in rows if r['method'] == 'collaborative']
+  errors = {
+      collaborative_names[0]: {'layer0': 0.2, 'layer1': 0.4},
+      collaborative_names[1]: {'layer0': 0.5, 'layer1': 0.7},
+  }
+  table, summary = glue_reparam.glue_table(rows, predictions_dir, errors=errors)
+  collaborative = {(e['method'], e['key_dim']): e for e in summary}['collaborative', 96]
+  assert collaborative['mean_error'] == pytest.approx(0.45)
+  assert collaborative['error_runs'] == [2, 4]
+  assert '| collaborative | 96 | 0.45 (2 of 4 runs) |' in table
+  every = {n: {'layer0': 0.3} for n in collaborative_names}
+  table, _ = glue_reparam.glue_table(rows, predictions_dir, errors=every)
+  assert '| collaborative | 96 | 0.30 |' in table
 
   rows[-1]['score'] += 0.5  # a recorded score its kept predictions do not give
   with pytest.raises(ValueError, match=f'{rows[-1]["name"]}: its kept predictions'):
