@@ -55,7 +55,8 @@ def holds_run(entry: Mapping[str, Any], rundir: str | os.PathLike) -> bool:
   are the entry's (not a run of the same name trained again since, e.g. by another
   experiment sharing the runs directory, whose results.json records that one)."""
   metrics = [m for m in read_metrics(rundir) if m['split'] != 'hparams']  # as `read_run`
-  return metrics == entry.get('metrics')
+  as_text = lambda lines: json.dumps(lines, sort_keys=True)  # NaN equals NaN here
+  return 'metrics' in entry and as_text(metrics) == as_text(entry['metrics'])
 
 
 def load_results(path: str | os.PathLike) -> dict[str, Any]:

@@ -275,7 +275,7 @@ def test_a_glue_run_trained_again_replaces_its_kept_predictions(tmp_path):
   for name in ('rerun', 'lost', 'other'):
     (out / 'predictions' / f'{name}.json').write_text('"kept"')
   line = lambda score: {'split': 'validation', 'step': 10, 'score': score}
-  for name, score in [('rerun', 80.0), ('other', 81.0)]:
+  for name, score in [('rerun', float('nan')), ('other', 81.0)]:  # NaN: a diverged eval
     for step, text in [(9, '"middle"'), (10, '"new"')]:  # step 10 is the last (not '9' > '10')
       (runs / name / 'final_eval' / str(step)).mkdir(parents=True)
       (runs / name / 'final_eval' / str(step) / glue_reparam.PREDICTIONS).write_text(text)
@@ -285,7 +285,7 @@ def test_a_glue_run_trained_again_replaces_its_kept_predictions(tmp_path):
   results = {
       'runs_dir': str(runs),
       'runs': [
-          {'name': 'rerun', 'metrics': [line(80.0)]},
+          {'name': 'rerun', 'metrics': [line(float('nan'))]},
           {'name': 'lost', 'metrics': [line(79.0)]},
           {'name': 'other', 'metrics': [line(80.5)]},  # its directory: a later run's
       ],
