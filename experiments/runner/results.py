@@ -54,9 +54,8 @@ def holds_run(entry: Mapping[str, Any], rundir: str | os.PathLike) -> bool:
   """Whether `rundir` holds the run that results.json's `entry` records: its metrics lines
   are the entry's (not a run of the same name trained again since, e.g. by another
   experiment sharing the runs directory, whose results.json records that one)."""
-  metrics = [m for m in read_metrics(rundir) if m['split'] != 'hparams']  # as `read_run`
   as_text = lambda lines: json.dumps(lines, sort_keys=True)  # NaN equals NaN here
-  return 'metrics' in entry and as_text(metrics) == as_text(entry['metrics'])
+  return 'metrics' in entry and as_text(read_run(rundir)['metrics']) == as_text(entry['metrics'])
 
 
 def load_results(path: str | os.PathLike) -> dict[str, Any]:
