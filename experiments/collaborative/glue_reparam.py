@@ -75,6 +75,7 @@ PAPER_BERT_BASE = {
     128: {'cola': 43.5, 'sst2': 89.5, 'mrpc': (83.4, 75.2), 'stsb': (84.5, 84.3), 'rte': 60.7},
 }
 PREDICTIONS = 'validation_predictions.json'
+CONSTANT = 'constant prediction (input ignored)'  # the floor row of the tables
 
 
 def arguments():
@@ -406,6 +407,7 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
   the average against the control with its paired bootstrap interval (`experiments.stats`);
   then B - A of each task alone, with its interval (rows of a slice without every task too)."""
   from experiments import stats  # pylint: disable=g-import-not-at-top  (imports JAX)
+  from lowrank_attn.tasks.glue import constant_score  # pylint: disable=g-import-not-at-top
 
   tasks = [t for t in TASKS if any(r['task'] == t for r in rows)]
   groups = {}
@@ -460,6 +462,21 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
       if entry['average'] is not None and len(paired) == len(tasks):
         entry['difference'] = stats.glue_difference(paired).as_dict()
     summary.append(entry)
+  # The floor: the best single answer for every dev example (a row at it has lost the task).
+  labels = {t: predictions(groups[control], t)[1] for t in tasks}
+  if all(v is not None for v in labels.values()):
+    floor = {t: constant_score(t, labels[t]) for t in tasks}
+    summary.append(
+        {
+            'method': CONSTANT,
+            'key_dim': None,
+            'seeds': [],
+            **floor,
+            'average': float(np.mean(list(floor.values()))),
+            'mean_error': None,
+            'error_runs': [0, 0],
+        }
+    )
 
   cell = lambda v: '' if v is None else f'{v:.2f}'
 
@@ -469,11 +486,12 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
     return cell(e['mean_error']) + partial
 
   diff = lambda e: (str(stats.Interval(**e['difference'])) if 'difference' in e else '')
+  width = lambda e: '' if e['method'] == CONSTANT else (e['key_dim'] or 384)
   table = runner.markdown_table(
       summary,
       [
           ('method', 'method'),
-          ('D~k', lambda e: e['key_dim'] or 384),
+          ('D~k', width),
           ('CP / SVD error', error_cell),
       ]
       + [(task, lambda e, t=task: cell(e[t])) for task in tasks]

@@ -814,23 +814,10 @@ def report(results, args) -> None:
     runner.write_section(HERE / 'README.md', 'glue_pruning', text)
 
 
-def constant_score(task: str, labels) -> float:
-  """The best dev score of a model that ignores its input: one class for every example (for
-  accuracy the majority class, for MRPC's mean of F1 and accuracy the better of the two), or
-  one similarity (STS-B: no correlation, 0). A pruned model near it has lost the task."""
-  from lowrank_attn.tasks.glue import glue_metrics  # pylint: disable=g-import-not-at-top
-
-  labels = np.asarray(labels)
-  if task == 'stsb':
-    return glue_metrics(task, np.zeros(labels.shape), labels)['score']
-  return max(
-      glue_metrics(task, np.full(labels.shape, c), labels)['score'] for c in np.unique(labels)
-  )
-
-
 def task_report(task, rows, roles, args):
   """The table, the roles table and the plot of one task; its numbers for table.json."""
   from experiments import stats  # pylint: disable=g-import-not-at-top
+  from lowrank_attn.tasks.glue import constant_score  # pylint: disable=g-import-not-at-top
 
   by = lambda **kw: [r for r in rows if all(r.get(k) == v for k, v in kw.items())]
   unpruned = by(method='unpruned')

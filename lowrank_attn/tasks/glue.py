@@ -305,6 +305,18 @@ def glue_metrics(task: str, predictions: np.ndarray, labels: np.ndarray) -> dict
   return {'accuracy': accuracy, 'score': accuracy}
 
 
+def constant_score(task: str, labels) -> float:
+  """The best dev score of a model that ignores its input: one class for every example (for
+  accuracy the majority class, for MRPC's mean of F1 and accuracy the better of the two), or
+  one similarity (STS-B: no correlation, 0). A model near it has lost the task."""
+  labels = np.asarray(labels)
+  if task == 'stsb':
+    return glue_metrics(task, np.zeros(labels.shape), labels)['score']
+  return max(
+      glue_metrics(task, np.full(labels.shape, c), labels)['score'] for c in np.unique(labels)
+  )
+
+
 class GlueEvaluator(base.Evaluator):
   """Predicts every example of the split and scores it with `glue_metrics`."""
 

@@ -263,17 +263,6 @@ def test_glue_reparam_plot_only_keeps_the_predictions_its_run_directories_hold(t
   assert kept == {'step': 10}
 
 
-def test_the_constant_prediction_scores_the_best_single_answer():
-  """By hand: labels 1,1,1,0. All 1: accuracy 75, F1 2*3/(4+3) = 85.71 (MRPC: their mean);
-  all 0: accuracy 25, F1 0. Matthews' correlation and STS-B's correlations of a constant: 0."""
-  labels = np.array([1, 1, 1, 0])
-  assert gp.constant_score('mrpc', labels) == pytest.approx((75 + 600 / 7) / 2)
-  assert gp.constant_score('sst2', labels) == pytest.approx(75)
-  assert gp.constant_score('rte', 1 - labels) == pytest.approx(75)  # the other class
-  assert gp.constant_score('cola', labels) == 0
-  assert gp.constant_score('stsb', np.array([0.5, 4.0, 2.5, 3.0])) == 0
-
-
 def test_the_report_sets_each_l0_run_against_the_fine_tune_without_gates(tmp_path):
   """Voita's control: the L0 run against the same second fine-tune without gates (not only
   against the model both start from), with its paired interval; and the floor of a constant

@@ -392,6 +392,12 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   every = {n: {'layer0': 0.3} for n in collaborative_names}
   table, _ = glue_reparam.glue_table(rows, predictions_dir, errors=every)
   assert '| collaborative | 96 | 0.30 |' in table
+  # The floor: one answer for every example (RTE: the majority class; STS-B: no correlation).
+  floor = {(e['method'], e['key_dim']): e for e in summary}[glue_reparam.CONSTANT, None]
+  majority = 100 * max(np.mean(labels['rte']), 1 - np.mean(labels['rte']))
+  assert floor['rte'] == pytest.approx(majority, abs=1e-9) and floor['stsb'] == 0
+  assert floor['average'] == pytest.approx(majority / 2, abs=1e-9)
+  assert f'| {glue_reparam.CONSTANT} |  |  | {majority:.2f} | 0.00 |' in table
 
   rows[-1]['score'] += 0.5  # a recorded score its kept predictions do not give
   with pytest.raises(ValueError, match=f'{rows[-1]["name"]}: its kept predictions'):
@@ -441,10 +447,11 @@ def test_glue_report_tables_the_conversions_before_the_fine_tune_apart(tmp_path,
       ('original', None),
       ('original, fine-tuned again', None),
       ('collaborative', 96),
+      (glue_reparam.CONSTANT, None),  # the floor
   }
   assert main['collaborative', 96]['rte'] == rows[2]['score']  # the fine-tuned one, not stage 0
   by = {(e['method'], e['key_dim']): e for e in before}
-  assert set(by) == {('original', None), ('collaborative', 96)}
+  assert set(by) == {('original', None), ('collaborative', 96), (glue_reparam.CONSTANT, None)}
   assert by['collaborative', 96]['rte'] == rows[3]['score']
   expected = rows[3]['score'] - rows[0]['score']  # against the first fine-tune
   assert by['collaborative', 96]['difference']['estimate'] == pytest.approx(expected, abs=1e-9)

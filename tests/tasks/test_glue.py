@@ -117,6 +117,17 @@ def test_metrics_agree_with_their_textbook_formulas():
   assert glue.glue_metrics('cola', np.zeros(10), labels[:10])['matthews'] == 0.0
 
 
+def test_the_constant_prediction_scores_the_best_single_answer():
+  """By hand: labels 1,1,1,0. All 1: accuracy 75, F1 2*3/(4+3) = 85.71 (MRPC: their mean);
+  all 0: accuracy 25, F1 0. Matthews' correlation and STS-B's correlations of a constant: 0."""
+  labels = np.array([1, 1, 1, 0])
+  assert glue.constant_score('mrpc', labels) == pytest.approx((75 + 600 / 7) / 2)
+  assert glue.constant_score('sst2', labels) == pytest.approx(75)
+  assert glue.constant_score('rte', 1 - labels) == pytest.approx(75)  # the other class
+  assert glue.constant_score('cola', labels) == 0
+  assert glue.constant_score('stsb', np.array([0.5, 4.0, 2.5, 3.0])) == 0
+
+
 def test_losses_are_cross_entropy_and_squared_error_per_example():
   rng = np.random.default_rng(1)
   logits = rng.normal(size=(4, 2)).astype(np.float32)
