@@ -36,7 +36,8 @@ Each run's final evaluation on the whole dev set (GLUE metrics x100) and its per
 predictions (`final_eval/<step>/validation_predictions.json`), copied next to this script in
 `glue/predictions/` as runs finish, feed the table: the task scores (mean over seeds), their
 average, and a 95% bootstrap interval over dev examples for the difference of each row's
-average to the original's (`experiments.stats`). Beside it, the paper's BERT-base rows.
+average to the original's (`experiments.stats`). Beside it, the paper's BERT-base rows; the
+plot `difference_vs_width.png` draws the differences against D / D~k beside the paper's.
 Each conversion's relative errors are kept in `glue/conversions.json` (by run name), so that
 `--plot_only` redraws the tables and plots from committed files alone (no run directory, no
 conversion).
@@ -76,6 +77,7 @@ PAPER_BERT_BASE = {
 }
 PREDICTIONS = 'validation_predictions.json'
 CONSTANT = 'constant prediction (input ignored)'  # the floor row of the tables
+PLOT = 'difference_vs_width.png'
 
 
 def arguments():
@@ -356,12 +358,15 @@ def report(results, errors, args) -> None:
         ' learning rate 0), against the fine-tuned original it was converted from:\n\n' + before
     )
     runner.files.write_json(args.out / 'table_before.json', before_summary)
-  paper = paper_table([t for t in TASKS if any(r['task'] == t for r in rows)])
+  tasks = [t for t in TASKS if any(r['task'] == t for r in rows)]
+  paper = paper_table(tasks)
   runner.files.write_json(args.out / 'table.json', summary)
+  plot_widths(summary, tasks, args.out / PLOT, f'all-MiniLM-L6-v2, {"/".join(tasks)}')
   (args.out / 'results.md').write_text(table + '\n\n' + paper)
   print(table)
   if args.smoke:
     return
+  figure = f'![score minus the control vs key reduction]({args.out.relative_to(HERE)}/{PLOT})'
   section = f'glue_{args.decompose}{args.variant}'  # the README's, one per protocol and budget
   if f'<!-- {section} -->' not in (HERE / 'README.md').read_text():
     print(f'README.md has no section {section}: add <!-- {section} --><!-- /{section} --> to it')
@@ -374,6 +379,8 @@ def report(results, errors, args) -> None:
               runner.runs_summary(results),
               '',
               table,
+              '',
+              figure,
               '',
               'Cordonnier et al. (2020), Table 3, '
               'BERT-base (dev; average over the tasks above):',
@@ -537,6 +544,88 @@ def paper_table(tasks) -> str:
   return runner.markdown_table(
       rows, [('D~k', 'D~k')] + [(t, lambda r, t=t: f'{r[t]:.2f}') for t in [*tasks, 'average']]
   )
+
+
+PAPER_D = 768  # BERT-base's width; MiniLM's is 384
+
+
+def width_series(summary, tasks) -> dict[str, dict[str, list]]:
+  """What `plot_widths` draws, per panel ('average', then each task) and line (each method,
+  then the paper's BERT-base): x the key reduction D / D~k, y the row minus the control with
+  its 95% interval (the paper's rows minus its unconverted BERT-base, no interval)."""
+  panels = {}
+  for panel in ['average', *tasks]:
+    lines = {}
+    for e in summary:
+      if e['key_dim'] is None or e['method'] == CONSTANT:
+        continue
+      d = e.get('difference') if panel == 'average' else e.get('task_differences', {}).get(panel)
+      if d is None:
+        continue
+      line = lines.setdefault(e['method'], {'x': [], 'y': [], 'low': [], 'high': []})
+      for key, value in zip(line, (384 / e['key_dim'], d['estimate'], d['low'], d['high'])):
+        line[key].append(value)
+    score = lambda v: sum(v) / 2 if isinstance(v, tuple) else v
+    base = PAPER_BERT_BASE[None]
+    paper = lambda row, t: score(row[t]) - score(base[t])
+    widths = sorted((k for k in PAPER_BERT_BASE if k is not None), reverse=True)
+    lines['BERT-base (paper, Table 3)'] = {
+        'x': [PAPER_D / k for k in widths],
+        'y': [
+            float(np.mean([paper(PAPER_BERT_BASE[k], t) for t in tasks]))
+            if panel == 'average'
+            else paper(PAPER_BERT_BASE[k], panel)
+            for k in widths
+        ],
+    }
+    for line in lines.values():  # left to right
+      order = np.argsort(line['x'])
+      for key in line:
+        line[key] = [line[key][i] for i in order]
+    panels[panel] = lines
+  return panels
+
+
+def plot_widths(summary, tasks, out: pathlib.Path, title: str) -> dict[str, dict[str, list]]:
+  """Each method's score minus the control against the key reduction D / D~k (the average
+  over the tasks, then each task), with its 95% paired bootstrap interval, beside the paper's
+  BERT-base (Table 3: its rows minus BERT-base unconverted)."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+
+  panels = width_series(summary, tasks)
+  fig = Figure(figsize=(3.2 * len(panels), 3.6), layout='constrained')
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+  for ax, (panel, lines) in zip(axes, panels.items()):
+    for label, line in lines.items():
+      if 'low' in line:
+        y = np.asarray(line['y'])
+        ax.errorbar(
+            line['x'],
+            y,
+            yerr=[y - line['low'], np.asarray(line['high']) - y],
+            marker='o',
+            markersize=4,
+            capsize=3,
+            label=label,
+        )
+      else:
+        ax.plot(line['x'], line['y'], 'k--', marker='s', markersize=4, label=label)
+    ax.axhline(0, color='grey', lw=0.8)
+    ax.set_xscale('log', base=2)
+    ticks = sorted({x for line in lines.values() for x in line['x']})
+    ax.set_xticks(ticks, [format(t, '.3g') for t in ticks])
+    ax.minorticks_off()
+    ax.set_title(panel)
+    ax.set_xlabel('keys narrower: D / D~k')
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel('dev score minus the control (x100)')
+  axes[0].legend(fontsize='x-small')
+  fig.suptitle(title)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(out, dpi=110)
+  return panels
 
 
 if __name__ == '__main__':

@@ -587,3 +587,50 @@ def test_glue_reparam_plot_only_needs_no_run_directory(tmp_path, monkeypatch):
   monkeypatch.setattr(sys, 'argv', argv)
   glue_reparam.main()
   assert reported == [errors]
+
+
+def test_glue_width_plot_draws_each_difference_at_its_key_reduction(tmp_path):
+  """The plot's series: our rows at D / D~k = 384 / D~k with the table's estimates and
+  intervals, the control and the floor left out; the paper's at 768 / D~k, its rows minus
+  its unconverted BERT-base, typed here from Table 3 (RTE 63.2 unconverted, 65.3 at 384, 60.7
+  at 128; STS-B Pearson/Spearman 88.8/88.7 unconverted, 88.3/88.0 at 384, 89.2/88.9 at 768; RTE 65.3 at 768).
+  """
+  from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
+
+  interval = lambda e: {'estimate': e, 'low': e - 1, 'high': e + 2, 'level': 0.95}
+  summary = [
+      {'method': 'original, fine-tuned again', 'key_dim': None},
+      {'method': 'original', 'key_dim': None, 'difference': interval(-1.0)},  # not a width
+      {
+          'method': 'collaborative',
+          'key_dim': 48,
+          'difference': interval(-9.0),
+          'task_differences': {'rte': interval(-7.0), 'stsb': interval(-11.0)},
+      },
+      {
+          'method': 'collaborative',
+          'key_dim': 96,
+          'difference': interval(-3.0),
+          'task_differences': {'rte': interval(-2.0), 'stsb': interval(-4.0)},
+      },
+      {'method': glue_reparam.CONSTANT, 'key_dim': None},
+  ]
+  panels = glue_reparam.plot_widths(summary, ['rte', 'stsb'], tmp_path / 'w.png', 'test')
+  assert (tmp_path / 'w.png').stat().st_size > 0
+  assert list(panels) == ['average', 'rte', 'stsb']
+  ours = panels['average']['collaborative']
+  assert ours == {'x': [4.0, 8.0], 'y': [-3.0, -9.0], 'low': [-4.0, -10.0], 'high': [-1.0, -7.0]}
+  assert panels['stsb']['collaborative']['y'] == [-4.0, -11.0]
+  assert set(panels['rte']) == {'collaborative', 'BERT-base (paper, Table 3)'}
+  paper = {
+      p: dict(zip(l['BERT-base (paper, Table 3)']['x'], l['BERT-base (paper, Table 3)']['y']))
+      for p, l in panels.items()
+  }
+  assert paper['rte'][6.0] == pytest.approx(60.7 - 63.2)
+  assert paper['stsb'][2.0] == pytest.approx((88.3 + 88.0) / 2 - (88.8 + 88.7) / 2)
+  assert paper['average'][2.0] == pytest.approx(
+      ((65.3 - 63.2) + ((88.3 + 88.0) / 2 - (88.8 + 88.7) / 2)) / 2
+  )
+  assert paper['average'][1.0] == pytest.approx(  # D~k = 768: the paper's exact conversion
+      np.mean([65.3 - 63.2, (89.2 + 88.9) / 2 - 88.75])
+  )
