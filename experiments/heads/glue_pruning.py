@@ -38,6 +38,10 @@ Every step is a run of `experiments.runner` (resumable: rerun the same command):
   4. `<task>-michel-p<level>-ft-s<seed>` and `<task>-random<r>-p<level>-ft-s<seed>`: the pruned
      models of step 2 at --finetune_levels fine-tuned for --finetune_epochs (default 1) with the
      recipe's learning rate, warmup and decay (random order seeds --random_finetune_seeds).
+     The analysis writes Michel's and random order 0's pruned models; every other random order
+     fine-tuned gets a run of its own, `<task>-prune-random<r>-s<seed>` (this file's `prune`
+     command: the same order as the analysis's curve for r), so adding orders later leaves the
+     analysis's command, and the runs recorded with it, as they were.
 
 Lambda: the penalty is at most 12 lambda (all gates open) and closing one head saves at most
 lambda / 6. At lambda = 0.003 a head must cost the task under 0.0005 (nats or squared error per
@@ -63,7 +67,8 @@ and the roles question: for each lambda (and Michel level) the share of the head
 (`experiments.heads.roles` on UD English-EWT, --roles) among the survivors against their share
 among all 72. Files: `glue/results.json` (runner), `glue/pruning.json` (the in-process curves,
 every number), `glue/gates.json` (the L0 runs' heads kept and gate values),
-`glue/table.json`, `glue/predictions/`, `glue/<task>.png`, and README.md's
+`glue/pruned.json` (the prune runs' pruned models, by run name), `glue/table.json`,
+`glue/predictions/`, `glue/<task>.png`, and README.md's
 section `glue_pruning`. `--plot_only`: no runs; the report of the runs results.json records,
 after keeping what their run directories still hold (predictions, analyses, gates): the report
 of a grid stopped midway (the full command would start the runs still to do). `--smoke`: RTE, 4-step fine-tunes at max_length 32, 64 importance
@@ -96,6 +101,7 @@ GATE_LEARNING_RATE = 0.05
 ANALYSIS_FILE = 'pruning.json'
 ANALYSIS_PREDICTIONS = 'predictions.json'
 GATES_FILE = 'gates.json'
+PRUNED_FILE = 'pruned.json'  # a prune run's pruned models (`prune`); kept in glue/ by run name
 # glue_reparam's smoke budget, so that a shared --runs_dir shares the smoke fine-tunes too.
 SMOKE_BUDGET = {
     'num_train_steps': 4,
@@ -296,7 +302,7 @@ def analyse(argv) -> None:
   levels, finetune_levels = floats(args.levels), floats(args.finetune_levels)
   random_seeds, finetune_seeds = ints(args.random_seeds), ints(args.random_finetune_seeds)
 
-  from lowrank_attn import analysis, pruning, tasks  # pylint: disable=g-import-not-at-top
+  from lowrank_attn import analysis, tasks  # pylint: disable=g-import-not-at-top
   from lowrank_attn.runs import RunDir  # pylint: disable=g-import-not-at-top
   from lowrank_attn.tasks.glue import glue_metrics, glue_task  # pylint: disable=g-import-not-at-top
 
@@ -356,28 +362,14 @@ def analyse(argv) -> None:
           flush=True,
       )
 
-  finetune = {}
-  total = int(np.prod(shape))
-  for (method, seed), order in orders.items():
-    if method == 'random' and seed not in finetune_seeds:
-      continue
-    for level in finetune_levels:
-      (removed,) = removal_counts([level], total)
-      name = point_name(method, seed, level)
-      directory = out / 'pruned' / name
-      if directory.exists():  # an attempt that was cut off: write it again
-        shutil.rmtree(directory)
-      keep = {'encoder': keep_after(order, removed, shape)}
-      overrides = pruning.prune_run(run.path, keep, directory, step=step)
-      finetune[name] = {
-          'dir': str(directory),
-          'method': method,
-          'seed': seed,
-          'level': level,
-          'removed': removed,
-          'heads_kept': total - removed,
-          'overrides': overrides,
-      }
+  finetune = write_pruned(
+      run.path,
+      step,
+      {k: v for k, v in orders.items() if k[0] == 'michel' or k[1] in finetune_seeds},
+      finetune_levels,
+      shape,
+      out,
+  )
 
   recorded = {}
   final = pathlib.Path(run.path, 'final_eval', str(step), 'metrics.json')
@@ -410,6 +402,56 @@ def analyse(argv) -> None:
           'finetune': sorted(finetune),
       },
   )
+
+
+def write_pruned(source, step, orders, levels, shape, out: pathlib.Path) -> dict:
+  """Each order's pruned model at each level, written as a run under `out/pruned/<point>`
+  (`pruning.prune_run`); {point: where it is and what it keeps}, the fine-tunes' sources."""
+  from lowrank_attn import pruning  # pylint: disable=g-import-not-at-top
+
+  finetune = {}
+  total = int(np.prod(shape))
+  for (method, seed), order in orders.items():
+    for level in levels:
+      (removed,) = removal_counts([level], total)
+      name = point_name(method, seed, level)
+      directory = out / 'pruned' / name
+      if directory.exists():  # an attempt that was cut off: write it again
+        shutil.rmtree(directory)
+      keep = {'encoder': keep_after(order, removed, shape)}
+      overrides = pruning.prune_run(source, keep, directory, step=step)
+      finetune[name] = {
+          'dir': str(directory),
+          'method': method,
+          'seed': seed,
+          'level': level,
+          'removed': removed,
+          'heads_kept': total - removed,
+          'overrides': overrides,
+      }
+  return finetune
+
+
+def prune(argv) -> None:
+  """One random order's pruned models at the fine-tune levels, as runs to fine-tune: the
+  random orders after the analysis's own (its command stays that of the runs it recorded)."""
+  parser = argparse.ArgumentParser(prog='glue_pruning prune')
+  parser.add_argument('--run', required=True, help='the fine-tuned run directory')
+  parser.add_argument('--out', required=True)
+  parser.add_argument('--random_seed', type=int, required=True)
+  parser.add_argument('--levels', required=True)
+  args = parser.parse_args(argv)
+  from lowrank_attn.runs import RunDir  # pylint: disable=g-import-not-at-top
+
+  run = RunDir(args.run)
+  step = run.check_step()
+  shape = (run.config.model.num_encoder_layers, run.config.model.attention.num_heads)
+  order = random_order(args.random_seed, shape)
+  levels = [float(x) for x in args.levels.split(',')]
+  out = pathlib.Path(args.out)
+  finetune = write_pruned(run.path, step, {('random', args.random_seed): order}, levels, shape, out)
+  runner.files.write_json(out / PRUNED_FILE, finetune)
+  runner.files.write_json(out / runner.RESULT_FILE, {'finetune': sorted(finetune)})
 
 
 # ------------------------------------------------------------------------------ the grid
@@ -507,8 +549,8 @@ def keep_gates(results, args) -> dict:
 
 
 def main():
-  if len(sys.argv) > 1 and sys.argv[1] == 'analyse':
-    return analyse(sys.argv[2:])
+  if len(sys.argv) > 1 and sys.argv[1] in ('analyse', 'prune'):
+    return {'analyse': analyse, 'prune': prune}[sys.argv[1]](sys.argv[2:])
   args = arguments()
   runs_dir = pathlib.Path(args.runs_dir).resolve()
   if args.plot_only:  # no runs; what the run directories of its runs still hold is kept first
@@ -553,7 +595,7 @@ def main():
           f'--levels={",".join(map(str, args.levels))}',
           f'--random_seeds={",".join(map(str, args.random_seeds))}',
           f'--finetune_levels={",".join(map(str, args.finetune_levels))}',
-          f'--random_finetune_seeds={",".join(map(str, args.random_finetune_seeds))}',
+          f'--random_finetune_seeds={",".join(map(str, analysed_orders(args)))}',
       ]
       analyses.append(
           runner.Run(
@@ -563,10 +605,29 @@ def main():
               config={'task': task, 'method': 'analyse', 'stage': 2},
           )
       )
+      for order_seed in pruned_orders(args):
+        command = [
+            sys.executable,
+            '-m',
+            'experiments.heads.glue_pruning',
+            'prune',
+            f'--run={sources[task, seed]}',
+            '--out={rundir}',
+            f'--random_seed={order_seed}',
+            f'--levels={",".join(map(str, args.finetune_levels))}',
+        ]
+        analyses.append(
+            runner.Run(
+                prune_name(task, order_seed, seed),
+                command,
+                seed=seed,
+                config={'task': task, 'method': 'prune', 'random_seed': order_seed, 'stage': 2},
+            )
+        )
   results = grid(first + analyses, args, needed)
   keep_analyses(results, args)
   if not finished(results, analyses):
-    return print('the fine-tunes need every analysis; rerun when they are done')
+    return print('the fine-tunes need every analysis and pruned model; rerun when they are done')
 
   # 3. L0 gates and their control; 4. the pruned models fine-tuned.
   import configs.glue  # pylint: disable=g-import-not-at-top
@@ -606,8 +667,7 @@ def main():
                 stage=2,
             )
         )
-      record = json.loads((args.out / ANALYSIS_FILE).read_text())[f'{task}-s{seed}']
-      for name, pruned in record['finetune'].items():
+      for name, pruned in to_finetune(task, seed, args).items():
         second.append(
             run(
                 finetune_name(task, name, seed),
@@ -643,20 +703,59 @@ def finetune_name(task: str, pruned: str, seed: int) -> str:
   return f'{task}-{pruned}-ft-s{seed}'
 
 
+def prune_name(task: str, order_seed: int, seed: int) -> str:
+  return f'{task}-prune-random{order_seed}-s{seed}'
+
+
+# The analysis writes the pruned models of random order 0 (and Michel's), as it did for the
+# runs recorded before `prune` existed, so its command stays theirs; every other random order
+# fine-tuned gets a `prune` run of its own.
+ANALYSED_ORDER = 0
+
+
+def analysed_orders(args) -> list[int]:
+  return [s for s in args.random_finetune_seeds if s == ANALYSED_ORDER]
+
+
+def pruned_orders(args) -> list[int]:
+  return [s for s in args.random_finetune_seeds if s != ANALYSED_ORDER]
+
+
+def pruned_sources(task: str, seed: int, args) -> dict[str, dict | None]:
+  """{analysis or prune run: its pruned models, None where not recorded yet}."""
+  analyses = runner.files.read_json(args.out / ANALYSIS_FILE) or {}
+  pruned = runner.files.read_json(args.out / PRUNED_FILE) or {}
+  record = analyses.get(f'{task}-s{seed}')
+  sources = {f'{task}-analyse-s{seed}': record and record['finetune']}
+  for order_seed in pruned_orders(args):
+    name = prune_name(task, order_seed, seed)
+    sources[name] = pruned.get(name)
+  return sources
+
+
+def to_finetune(task: str, seed: int, args) -> dict[str, dict]:
+  """{pruned model: where it is and what it keeps}: every model the fine-tunes start from."""
+  out = {}
+  for finetune in pruned_sources(task, seed, args).values():
+    out.update(finetune)
+  return out
+
+
 def needed_runs(task: str, seed: int, args) -> set[str]:
-  """The runs of `task` and `seed` that runs still to do start from, by what results.json and
-  pruning.json record: the fine-tuned original (the analysis, the L0 runs and their control
-  start from its checkpoint) and the analysis (its pruned models are fine-tuned). A run
-  directory lost between sessions is then made again instead of failing the runs after it."""
+  """The runs of `task` and `seed` that runs still to do start from, by what results.json,
+  pruning.json and pruned.json record: the fine-tuned original (the analysis, the prune runs,
+  the L0 runs and their control start from its checkpoint), the analysis and the prune runs
+  (their pruned models are fine-tuned). A run directory lost between sessions is then made
+  again instead of failing the runs after it."""
   done = runner.recorded(args.out)
-  record = (runner.files.read_json(args.out / ANALYSIS_FILE) or {}).get(f'{task}-s{seed}')
-  if record is None:
-    tuned_pending = True  # the fine-tunes are named by the analysis
-  else:
-    tuned_pending = any(finetune_name(task, p, seed) not in done for p in record['finetune'])
+  needed = set()
+  for name, finetune in pruned_sources(task, seed, args).items():
+    # Unrecorded: the fine-tunes are named by its record, so some must still be pending.
+    if finetune is None or any(finetune_name(task, p, seed) not in done for p in finetune):
+      needed.add(name)
   second = [again_name(task, seed, args)] + [l0_name(task, lam, seed) for lam in args.lambdas]
-  needed = {f'{task}-analyse-s{seed}'} if tuned_pending else set()
-  if needed or f'{task}-analyse-s{seed}' not in done or not set(second) <= done:
+  firsts = set(pruned_sources(task, seed, args))
+  if needed or not firsts <= done or not set(second) <= done:
     needed.add(f'{task}-original-s{seed}')
   return needed
 
@@ -668,13 +767,18 @@ def finished(results, runs) -> bool:
 
 
 def keep_analyses(results, args) -> None:
-  """Merges the analyses' records into `pruning.json` and copies their predictions."""
+  """Merges the analyses' records into `pruning.json` and copies their predictions; merges the
+  prune runs' pruned models into `pruned.json` (by run name)."""
   path = args.out / ANALYSIS_FILE
   merged = runner.files.read_json(path) or {}
+  pruned = runner.files.read_json(args.out / PRUNED_FILE) or {}
   for entry in results['runs']:
-    if entry.get('config', {}).get('method') != 'analyse':
-      continue
+    method = entry.get('config', {}).get('method')
     rundir = pathlib.Path(results['runs_dir'], entry['name'])
+    if method == 'prune' and (rundir / PRUNED_FILE).exists():
+      pruned[entry['name']] = json.loads((rundir / PRUNED_FILE).read_text())
+    if method != 'analyse':
+      continue
     if not (rundir / ANALYSIS_FILE).exists():
       continue  # its run directory is gone: pruning.json has it
     key = f'{entry["config"]["task"]}-s{entry["seed"]}'
@@ -684,6 +788,8 @@ def keep_analyses(results, args) -> None:
         rundir / ANALYSIS_PREDICTIONS, args.out / 'predictions' / f'{entry["name"]}.json'
     )
   runner.files.write_json(path, merged)
+  if pruned:
+    runner.files.write_json(args.out / PRUNED_FILE, pruned)
 
 
 # ------------------------------------------------------------------------------ the report
@@ -726,7 +832,7 @@ def points_of(results, args) -> list[dict]:
   rows = []
   for row in runner.final(results, 'validation'):
     method = row.get('method')
-    if 'score' not in row or method == 'analyse':
+    if 'score' not in row or method in ('analyse', 'prune'):
       continue
     base = {
         'task': row['task'],
@@ -884,7 +990,7 @@ def task_report(task, rows, roles, args):
   )
   score = lambda e: (
       f"{e['score']:.2f}"
-      if e['n'] == 1 or e['method'] != 'random'
+      if e['n'] == 1 or e['method'] not in ('random', 'random+ft')
       else f"{e['score']:.2f} ({e['min']:.2f}–{e['max']:.2f})"
   )
   versus = lambda e, label: (

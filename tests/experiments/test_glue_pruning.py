@@ -179,7 +179,9 @@ def test_a_lost_run_that_runs_still_to_do_start_from_is_needed_again(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
 
-  args = types.SimpleNamespace(out=tmp_path, lambdas=[0.01, 0.1], l0_epochs=None)
+  args = types.SimpleNamespace(
+      out=tmp_path, lambdas=[0.01, 0.1], l0_epochs=None, random_finetune_seeds=[0]
+  )
   original, analyse = 'mrpc-original-s0', 'mrpc-analyse-s0'
   second = ['mrpc-original-again-s0', 'mrpc-l0-0.01-s0', 'mrpc-l0-0.1-s0']
   tuned = ['mrpc-michel-p0.5-ft-s0', 'mrpc-random0-p0.5-ft-s0']
@@ -197,6 +199,137 @@ def test_a_lost_run_that_runs_still_to_do_start_from_is_needed_again(tmp_path):
   assert needed(original, *second, *tuned) == {original}  # the analysis starts from it
   assert needed(original, analyse, *second, *tuned) == set()
   assert gp.needed_runs('stsb', 0, args) == {'stsb-original-s0', 'stsb-analyse-s0'}
+
+
+def test_a_prune_run_and_its_fine_tunes_are_needed_like_the_analysis(tmp_path):
+  """Random orders fine-tuned beyond the analysis's own (order 0) come from prune runs: one is
+  needed until its pruned models' fine-tunes are recorded, and the original with it."""
+  import json  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+
+  args = types.SimpleNamespace(
+      out=tmp_path, lambdas=[], l0_epochs=None, random_finetune_seeds=[0, 2]
+  )
+  original, analyse, prune = 'mrpc-original-s0', 'mrpc-analyse-s0', 'mrpc-prune-random2-s0'
+  tuned = ['mrpc-random0-p0.5-ft-s0']
+  (tmp_path / gp.ANALYSIS_FILE).write_text(
+      json.dumps({'mrpc-s0': {'finetune': {'random0-p0.5': {}}}})
+  )
+
+  def needed(*names):
+    (tmp_path / 'results.json').write_text(json.dumps({'runs': [{'name': n} for n in names]}))
+    return gp.needed_runs('mrpc', 0, args)
+
+  assert needed(original, analyse, *tuned) == {original, prune}  # the prune run not recorded
+  assert needed(original, analyse, *tuned, prune) == {original, prune}  # its fine-tunes unnamed
+  (tmp_path / gp.PRUNED_FILE).write_text(json.dumps({prune: {'random2-p0.5': {'dir': 'x'}}}))
+  assert needed(original, analyse, *tuned, prune) == {original, prune}
+  done = [original, analyse, 'mrpc-original-again-s0', *tuned, prune]
+  assert needed(*done, 'mrpc-random2-p0.5-ft-s0') == set()
+  assert gp.to_finetune('mrpc', 0, args) == {'random0-p0.5': {}, 'random2-p0.5': {'dir': 'x'}}
+
+
+def test_prune_writes_the_random_orders_pruned_models(tmp_path, monkeypatch):
+  """`prune`: random order 2 of the 6 x 12 heads, drawn here with numpy, its first round(72 x
+  level) heads removed at each level, each pruned model written as a run under out/pruned/."""
+  import json  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+
+  from lowrank_attn import pruning, runs  # pylint: disable=g-import-not-at-top
+
+  written = {}
+
+  def prune_run(source, keep, directory, step):
+    written[directory.name] = (source, np.asarray(keep['encoder']), step)
+    return {'init_from': str(directory)}
+
+  config = types.SimpleNamespace(
+      model=types.SimpleNamespace(
+          num_encoder_layers=6, attention=types.SimpleNamespace(num_heads=12)
+      )
+  )
+  fake = lambda path: types.SimpleNamespace(path=path, config=config, check_step=lambda: 7)
+  monkeypatch.setattr(pruning, 'prune_run', prune_run)
+  monkeypatch.setattr(runs, 'RunDir', fake)
+  gp.prune(['--run=SRC', f'--out={tmp_path}', '--random_seed=2', '--levels=0.3,0.5'])
+  order = np.random.default_rng(2).permutation(72)
+  record = json.loads((tmp_path / gp.PRUNED_FILE).read_text())
+  assert sorted(record) == sorted(written) == ['random2-p30', 'random2-p50']
+  for name, removed in (('random2-p30', 22), ('random2-p50', 36)):
+    source, keep, step = written[name]
+    expected = np.ones(72, bool)
+    expected[order[:removed]] = False
+    assert (source, step) == ('SRC', 7)
+    np.testing.assert_array_equal(keep, expected.reshape(6, 12))
+    assert record[name]['heads_kept'] == 72 - removed and record[name]['seed'] == 2
+    assert record[name]['dir'] == str(tmp_path / 'pruned' / name)
+
+
+def test_the_grid_prunes_further_random_orders_in_runs_of_their_own(tmp_path, monkeypatch):
+  """With --random_finetune_seeds=0,1: the analysis's command is the one recorded runs have
+  (order 0 only), order 1 gets a prune run, and the fine-tunes start from both's models."""
+  import json  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  planned, commands = [], {}
+
+  def grid(runs, args, needed):
+    planned.append([r.name for r in runs])
+    commands.update({r.name: r.command for r in runs})
+    return {'runs': [{'name': r.name} for r in runs], 'runs_dir': str(tmp_path)}
+
+  for name in ('keep_analyses', 'keep_gates', 'report'):
+    monkeypatch.setattr(gp, name, lambda *args: None)
+  monkeypatch.setattr(gp, 'grid', grid)
+  monkeypatch.setattr(gp, 'OUT', tmp_path)
+  (tmp_path / gp.ANALYSIS_FILE).write_text(
+      json.dumps(
+          {
+              'mrpc-s0': {
+                  'finetune': {
+                      'random0-p0.5': {
+                          'dir': 'A',
+                          'method': 'random',
+                          'seed': 0,
+                          'level': 0.5,
+                          'heads_kept': 36,
+                      }
+                  }
+              }
+          }
+      )
+  )
+  (tmp_path / gp.PRUNED_FILE).write_text(
+      json.dumps(
+          {
+              'mrpc-prune-random1-s0': {
+                  'random1-p0.5': {
+                      'dir': 'B',
+                      'method': 'random',
+                      'seed': 1,
+                      'level': 0.5,
+                      'heads_kept': 36,
+                  }
+              }
+          }
+      )
+  )
+  argv = [
+      'glue_pruning',
+      f'--runs_dir={tmp_path}',
+      '--tasks=mrpc',
+      '--lambdas=',
+      '--finetune_levels=0.5',
+      '--random_finetune_seeds=0,1',
+  ]
+  monkeypatch.setattr(sys, 'argv', argv)
+  gp.main()
+  assert planned[1] == ['mrpc-original-s0', 'mrpc-analyse-s0', 'mrpc-prune-random1-s0']
+  assert '--random_finetune_seeds=0' in commands['mrpc-analyse-s0']
+  assert '--random_seed=1' in commands['mrpc-prune-random1-s0']
+  assert {'mrpc-random0-p0.5-ft-s0', 'mrpc-random1-p0.5-ft-s0'} <= set(planned[2])
+  ft = ' '.join(commands['mrpc-random1-p0.5-ft-s0'])
+  assert '--config.init_from=B' in ft
 
 
 @pytest.mark.parametrize('script', ['glue_pruning', 'glue_reparam'])
