@@ -584,19 +584,15 @@ def main():
   analyses = []
   for seed in args.seeds:
     for task in args.tasks:
-      command = [
-          sys.executable,
-          '-m',
-          'experiments.heads.glue_pruning',
+      command = subcommand(
           'analyse',
-          f'--run={sources[task, seed]}',
-          '--out={rundir}',
+          sources[task, seed],
           f'--importance_examples={args.importance_examples}',
           f'--levels={",".join(map(str, args.levels))}',
           f'--random_seeds={",".join(map(str, args.random_seeds))}',
           f'--finetune_levels={",".join(map(str, args.finetune_levels))}',
           f'--random_finetune_seeds={",".join(map(str, analysed_orders(args)))}',
-      ]
+      )
       analyses.append(
           runner.Run(
               f'{task}-analyse-s{seed}',
@@ -606,16 +602,12 @@ def main():
           )
       )
       for order_seed in pruned_orders(args):
-        command = [
-            sys.executable,
-            '-m',
-            'experiments.heads.glue_pruning',
+        command = subcommand(
             'prune',
-            f'--run={sources[task, seed]}',
-            '--out={rundir}',
+            sources[task, seed],
             f'--random_seed={order_seed}',
             f'--levels={",".join(map(str, args.finetune_levels))}',
-        ]
+        )
         analyses.append(
             runner.Run(
                 prune_name(task, order_seed, seed),
@@ -688,6 +680,12 @@ def main():
   results = grid(first + analyses + second, args, needed)
   keep_gates(results, args)
   report(results, args)
+
+
+def subcommand(name: str, source, *flags: str) -> list[str]:
+  """The argv of this file's `analyse` or `prune` on the fine-tuned run `source`."""
+  module = 'experiments.heads.glue_pruning'
+  return [sys.executable, '-m', module, name, f'--run={source}', '--out={rundir}', *flags]
 
 
 def again_name(task: str, seed: int, args) -> str:
