@@ -22,6 +22,8 @@
 # copied to $PREPARED/data); the second carries .gpu_minilm (`python -m experiments.gpu_minilm
 # pack .gpu_minilm`: the weights rounded to float16, 45 MB) and runs the grid, which finds the
 # wheels and data of the first call and unpacks the model to $PREPARED/minilm.
+# The tracked files travel with every call: where they and .gpu_minilm pass 64 MiB, run the
+# second call between `bash experiments/gpu_slim_index.sh slim` and `... restore`.
 #
 # XLA_PYTHON_CLIENT_PREALLOCATE=false lets the parallel runs share the GPU's memory, and CUDA
 # MPS (MPS=1, the default, where nvidia-cuda-mps-control exists) lets their small kernels run
