@@ -77,6 +77,8 @@ PAPER_BERT_BASE = {
 }
 PREDICTIONS = 'validation_predictions.json'
 CONSTANT = 'constant prediction (input ignored)'  # the floor row of the tables
+D = 384  # all-MiniLM-L6-v2's width: the original's D~k
+PAPER_D = 768  # BERT-base's
 PLOT = 'difference_vs_width.png'
 
 
@@ -493,7 +495,7 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
     return cell(e['mean_error']) + partial
 
   diff = lambda e: (str(stats.Interval(**e['difference'])) if 'difference' in e else '')
-  width = lambda e: '' if e['method'] == CONSTANT else (e['key_dim'] or 384)
+  width = lambda e: '' if e['method'] == CONSTANT else (e['key_dim'] or D)
   table = runner.markdown_table(
       summary,
       [
@@ -510,7 +512,7 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
   )
   per_task = runner.markdown_table(
       [e for e in summary if e.get('task_differences')],
-      [('method', 'method'), ('D~k', lambda e: e['key_dim'] or 384)]
+      [('method', 'method'), ('D~k', lambda e: e['key_dim'] or D)]
       + [
           (
               f'{task} - {control[0]} [95%]',
@@ -529,15 +531,19 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
   )
 
 
+def paper_score(value) -> float:
+  """A Table 3 cell as our score: MRPC's and STS-B's two metrics averaged."""
+  return sum(value) / 2 if isinstance(value, tuple) else value
+
+
 def paper_table(tasks) -> str:
   """The paper's BERT-base rows for `tasks` (MRPC and STS-B: the mean of their two metrics,
   as our score), with their average over these tasks."""
-  score = lambda v: sum(v) / 2 if isinstance(v, tuple) else v
   rows = [
       {
           'D~k': 'BERT-base' if k is None else k,
-          **{t: score(v[t]) for t in tasks},
-          'average': sum(score(v[t]) for t in tasks) / len(tasks),
+          **{t: paper_score(v[t]) for t in tasks},
+          'average': sum(paper_score(v[t]) for t in tasks) / len(tasks),
       }
       for k, v in PAPER_BERT_BASE.items()
   ]
@@ -546,13 +552,13 @@ def paper_table(tasks) -> str:
   )
 
 
-PAPER_D = 768  # BERT-base's width; MiniLM's is 384
-
-
 def width_series(summary, tasks) -> dict[str, dict[str, list]]:
   """What `plot_widths` draws, per panel ('average', then each task) and line (each method,
   then the paper's BERT-base): x the key reduction D / D~k, y the row minus the control with
   its 95% interval (the paper's rows minus its unconverted BERT-base, no interval)."""
+  base = PAPER_BERT_BASE[None]
+  paper = lambda row, t: paper_score(row[t]) - paper_score(base[t])
+  widths = sorted((k for k in PAPER_BERT_BASE if k is not None), reverse=True)
   panels = {}
   for panel in ['average', *tasks]:
     lines = {}
@@ -563,12 +569,8 @@ def width_series(summary, tasks) -> dict[str, dict[str, list]]:
       if d is None:
         continue
       line = lines.setdefault(e['method'], {'x': [], 'y': [], 'low': [], 'high': []})
-      for key, value in zip(line, (384 / e['key_dim'], d['estimate'], d['low'], d['high'])):
+      for key, value in zip(line, (D / e['key_dim'], d['estimate'], d['low'], d['high'])):
         line[key].append(value)
-    score = lambda v: sum(v) / 2 if isinstance(v, tuple) else v
-    base = PAPER_BERT_BASE[None]
-    paper = lambda row, t: score(row[t]) - score(base[t])
-    widths = sorted((k for k in PAPER_BERT_BASE if k is not None), reverse=True)
     lines['BERT-base (paper, Table 3)'] = {
         'x': [PAPER_D / k for k in widths],
         'y': [

@@ -746,14 +746,14 @@ def needed_runs(task: str, seed: int, args) -> set[str]:
   (their pruned models are fine-tuned). A run directory lost between sessions is then made
   again instead of failing the runs after it."""
   done = runner.recorded(args.out)
+  sources = pruned_sources(task, seed, args)
   needed = set()
-  for name, finetune in pruned_sources(task, seed, args).items():
+  for name, finetune in sources.items():
     # Unrecorded: the fine-tunes are named by its record, so some must still be pending.
     if finetune is None or any(finetune_name(task, p, seed) not in done for p in finetune):
       needed.add(name)
   second = [again_name(task, seed, args)] + [l0_name(task, lam, seed) for lam in args.lambdas]
-  firsts = set(pruned_sources(task, seed, args))
-  if needed or not firsts <= done or not set(second) <= done:
+  if needed or not set(sources) <= done or not set(second) <= done:
     needed.add(f'{task}-original-s{seed}')
   return needed
 
