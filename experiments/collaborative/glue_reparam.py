@@ -446,9 +446,11 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
       groups.items(), key=lambda kv: (kv[0][1] is not None, -(kv[0][1] or 0), kv[0][0])
   ):
     entry = {'method': method, 'key_dim': key_dim, 'seeds': sorted({r['seed'] for r in group})}
+    entry['task_seeds'] = {}
     for task in tasks:
-      scores = [r['score'] for r in group if r['task'] == task]
-      entry[task] = float(np.mean(scores)) if scores else None
+      scores = {r['seed']: r['score'] for r in group if r['task'] == task}
+      entry[task] = float(np.mean(list(scores.values()))) if scores else None
+      entry['task_seeds'][task] = sorted(scores)
     done = [entry[t] for t in tasks if entry[t] is not None]
     entry['average'] = float(np.mean(done)) if len(done) == len(tasks) else None
     # The conversions' mean relative error, over those conversions.json records (RTE's, run
@@ -494,6 +496,13 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
     partial = f' ({covered} of {runs} runs)' if 0 < covered < runs else ''
     return cell(e['mean_error']) + partial
 
+  def seeds_cell(e):
+    """The seeds a row's means cover: one list, or each task's where they differ."""
+    lists = {t: ','.join(map(str, s)) for t, s in e.get('task_seeds', {}).items() if s}
+    if len(set(lists.values())) > 1:
+      return '; '.join(f'{t} {s}' for t, s in lists.items())
+    return ','.join(map(str, e['seeds']))
+
   diff = lambda e: (str(stats.Interval(**e['difference'])) if 'difference' in e else '')
   width = lambda e: '' if e['method'] == CONSTANT else (e['key_dim'] or D)
   table = runner.markdown_table(
@@ -507,7 +516,7 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
       + [
           ('average', lambda e: cell(e['average'])),
           (f'average - {control[0]} [95%]', diff),
-          ('seeds', lambda e: ','.join(map(str, e['seeds']))),
+          ('seeds', seeds_cell),
       ],
   )
   per_task = runner.markdown_table(

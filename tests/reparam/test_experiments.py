@@ -376,6 +376,15 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   partial = {(e['method'], e['key_dim']): e for e in summary}['collaborative', 96]
   assert partial['average'] is None and 'difference' not in partial
   assert set(partial['task_differences']) == {'rte'}
+  # Tasks with different seeds (a seed that ran on some tasks only): each cell is the mean over
+  # its own task's seeds, and the seeds column says which seeds each task's cells cover.
+  uneven = [r for r in rows if r['name'] != 'stsb-collaborative-96-st2-s1']
+  table, summary = glue_reparam.glue_table(uneven, predictions_dir, errors={})
+  partial = {(e['method'], e['key_dim']): e for e in summary}['collaborative', 96]
+  assert partial['stsb'] == pytest.approx(scores['stsb-collaborative-96-st2-s0'], abs=1e-9)
+  assert partial['task_seeds'] == {'rte': [0, 1], 'stsb': [0]}
+  assert '| rte 0,1; stsb 0 |' in table
+  assert '| 0,1 |' in table  # the control's tasks cover the same seeds: one list
 
   # The conversions' error: the mean over the runs conversions.json records, and a row says
   # when that is only some of them.
