@@ -956,8 +956,13 @@ def task_report(task, rows, roles, args):
     stated = level in finetuned  # intervals where the fine-tunes are: the table's comparisons
     for method in ('Michel', 'random', 'Michel+ft', 'random+ft'):
       group = by(method=method, level=level)
-      if group:
-        line(method, group, against=unpruned if stated else None, level=level)
+      if not group:
+        continue
+      entry = line(method, group, against=unpruned if stated else None, level=level)
+      michel_too = by(method=method.replace('random', 'Michel'), level=level)
+      if stated and method.startswith('random') and michel_too:
+        # Does the order matter? The random orders against Michel's, both pruned alike.
+        entry['minus_michel'] = _interval(task, michel_too, group, args)
   l0 = sorted({r['lambda'] for r in rows if r['method'] == 'L0 gates'})
   michel = {level: by(method='Michel', level=level) for level in levels}
   michel_ft = {level: by(method='Michel+ft', level=level) for level in levels}
@@ -1004,6 +1009,7 @@ def task_report(task, rows, roles, args):
           ('heads kept', lambda e: f"{e['heads_kept']:g}"),
           ('dev score', score),
           ('− unpruned [95%]', lambda e: interval(e.get('minus_unpruned'))),
+          ('random − Michel, same pruning [95%]', lambda e: interval(e.get('minus_michel'))),
           ('L0 − fine-tuned again [95%]', lambda e: interval(e.get('minus_again'))),
           ('L0 − Michel, nearest [95%]', lambda e: versus(e, 'Michel')),
           ('L0 − Michel+ft, nearest [95%]', lambda e: versus(e, 'Michel+ft')),

@@ -435,6 +435,68 @@ def test_the_report_sets_each_l0_run_against_the_fine_tune_without_gates(tmp_pat
   assert 'L0 − fine-tuned again' in table and '+12.50' in table
 
 
+def test_the_report_sets_random_order_against_michels_at_each_finetuned_level(tmp_path):
+  """Does the order matter? At a level with fine-tunes, random pruning (its orders averaged) is
+  set against Michel's at the same level, without and with the fine-tune, each against its
+  own kind; levels without fine-tunes get no comparison. Accuracy on 8 labels by hand."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+
+  labels = [1, 1, 1, 1, 1, 0, 0, 0]
+  answers = {  # right on: 5, 6, 4, 3, 8, 3, 7, 5 and 5 of the 8
+      'unpruned': [1, 1, 1, 1, 1, 1, 1, 1],
+      'michel': [1, 1, 1, 1, 1, 1, 1, 0],
+      'random0': [1, 1, 1, 1, 0, 1, 1, 1],
+      'random1': [1, 1, 0, 0, 1, 1, 1, 1],
+      'michel_ft': [1, 1, 1, 1, 1, 0, 0, 0],
+      'random0_ft': [1, 1, 0, 0, 0, 0, 1, 1],
+      'random1_ft': [1, 1, 1, 1, 1, 0, 0, 1],
+      'michel_40': [1, 1, 1, 1, 1, 1, 1, 1],
+      'random_40': [1, 1, 1, 1, 1, 1, 1, 1],
+  }
+  (tmp_path / 'predictions').mkdir()
+  for name, predictions in answers.items():
+    found = {'predictions': predictions, 'labels': labels}
+    (tmp_path / 'predictions' / f'{name}.json').write_text(json.dumps(found))
+  right = lambda name: 100 * np.mean(np.equal(answers[name], labels))
+  row = lambda name, method, level, seed=0: {
+      'task': 'sst2',
+      'seed': 0,
+      'random_seed': seed,
+      'score': right(name),
+      'method': method,
+      'level': level,
+      'heads_kept': round(72 * (1 - level)),
+      'source': (name, None),
+  }
+  rows = [
+      row('unpruned', 'unpruned', 0.0),
+      row('michel', 'Michel', 0.3),
+      row('random0', 'random', 0.3),
+      row('random1', 'random', 0.3, seed=1),
+      row('michel_ft', 'Michel+ft', 0.3),
+      row('random0_ft', 'random+ft', 0.3),
+      row('random1_ft', 'random+ft', 0.3, seed=1),
+      row('michel_40', 'Michel', 0.4),
+      row('random_40', 'random', 0.4),
+  ]
+  args = argparse.Namespace(out=tmp_path, finetune_levels=[0.3])
+  table, _, entry = gp.task_report('sst2', rows, None, args)
+  got = {(e['method'], e.get('level')): e for e in entry['rows']}
+  random_mean = (right('random0') + right('random1')) / 2
+  assert got['random', 0.3]['minus_michel']['estimate'] == pytest.approx(
+      random_mean - right('michel')
+  )
+  ft_mean = (right('random0_ft') + right('random1_ft')) / 2
+  assert got['random+ft', 0.3]['minus_michel']['estimate'] == pytest.approx(
+      ft_mean - right('michel_ft')
+  )
+  assert 'minus_michel' not in got['random', 0.4]  # no fine-tunes at 40%: no comparisons
+  assert 'minus_michel' not in got['Michel', 0.3] and 'minus_michel' not in got['Michel+ft', 0.3]
+  assert 'random − Michel, same pruning' in table
+  assert f'{ft_mean - right("michel_ft"):+.2f}' in table
+
+
 def test_kept_scores_are_float32s_shortest_decimals_and_classes_stay():
   scores = np.array([4.749688148498535, 0.26093870401382446], np.float32)
   assert gp.stored(scores) == [4.749688, 0.2609387]
