@@ -396,12 +396,21 @@ def test_glue_reparam_plot_only_keeps_the_predictions_its_run_directories_hold(t
   assert kept == {'step': 10}
 
 
+def _keep_predictions(out, answers, labels) -> None:
+  """Each answer list kept as `out/predictions/<name>.json`, as the grids keep a run's."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  (out / 'predictions').mkdir()
+  for name, predictions in answers.items():
+    found = {'predictions': predictions, 'labels': labels}
+    (out / 'predictions' / f'{name}.json').write_text(json.dumps(found))
+
+
 def test_the_report_sets_each_l0_run_against_the_fine_tune_without_gates(tmp_path):
   """Voita's control: the L0 run against the same second fine-tune without gates (not only
   against the model both start from), with its paired interval; and the floor of a constant
   prediction. Accuracy on SST-2-like labels, so the scores are fractions of 8 by hand."""
   import argparse  # pylint: disable=g-import-not-at-top
-  import json  # pylint: disable=g-import-not-at-top
 
   labels = [1, 1, 1, 1, 1, 0, 0, 0]
   answers = {  # right on 4, 6 and 7 of the 8
@@ -409,10 +418,7 @@ def test_the_report_sets_each_l0_run_against_the_fine_tune_without_gates(tmp_pat
       'again': [1, 1, 1, 1, 1, 1, 0, 1],
       'l0': [1, 1, 1, 1, 1, 1, 0, 0],
   }
-  (tmp_path / 'predictions').mkdir()
-  for name, predictions in answers.items():
-    found = {'predictions': predictions, 'labels': labels}
-    (tmp_path / 'predictions' / f'{name}.json').write_text(json.dumps(found))
+  _keep_predictions(tmp_path, answers, labels)
   row = lambda name, method, score, **extra: {
       'task': 'sst2',
       'seed': 0,
@@ -440,7 +446,6 @@ def test_the_report_sets_random_order_against_michels_at_each_finetuned_level(tm
   set against Michel's at the same level, without and with the fine-tune, each against its
   own kind; levels without fine-tunes get no comparison. Accuracy on 8 labels by hand."""
   import argparse  # pylint: disable=g-import-not-at-top
-  import json  # pylint: disable=g-import-not-at-top
 
   labels = [1, 1, 1, 1, 1, 0, 0, 0]
   answers = {  # right on: 5, 6, 4, 3, 8, 3, 7, 5 and 5 of the 8
@@ -454,10 +459,7 @@ def test_the_report_sets_random_order_against_michels_at_each_finetuned_level(tm
       'michel_40': [1, 1, 1, 1, 1, 1, 1, 1],
       'random_40': [1, 1, 1, 1, 1, 1, 1, 1],
   }
-  (tmp_path / 'predictions').mkdir()
-  for name, predictions in answers.items():
-    found = {'predictions': predictions, 'labels': labels}
-    (tmp_path / 'predictions' / f'{name}.json').write_text(json.dumps(found))
+  _keep_predictions(tmp_path, answers, labels)
   right = lambda name: 100 * np.mean(np.equal(answers[name], labels))
   row = lambda name, method, level, seed=0: {
       'task': 'sst2',
