@@ -414,7 +414,9 @@ def _label(row) -> tuple[str, int | None]:
 def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[dict]]:
   """Mean dev score per task over seeds for each (method, D~k), their average, and B - A of
   the average against the control with its paired bootstrap interval (`experiments.stats`);
-  then B - A of each task alone, with its interval (rows of a slice without every task too)."""
+  then B - A of each task alone, with its interval (rows of a slice without every task too).
+  A row is paired with the control's runs of its own seeds, task by task (a seed still
+  running on some rows is left out of their comparison, not compared with another seed)."""
   from experiments import stats  # pylint: disable=g-import-not-at-top  (imports JAX)
   from lowrank_attn.tasks.glue import constant_score  # pylint: disable=g-import-not-at-top
 
@@ -461,8 +463,9 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
     entry['error_runs'] = [len(errs), len(names)]
     if (method, key_dim) != control:
       paired = {}
-      for task in tasks:
-        a, labels = predictions(groups[control], task)
+      for task in tasks:  # against the control's runs of the row's own seeds
+        seeds = set(entry['task_seeds'][task])
+        a, labels = predictions([r for r in groups[control] if r['seed'] in seeds], task)
         b, _ = predictions(group, task)
         if a and b:
           paired[task] = (labels, a, b)

@@ -385,6 +385,10 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   assert partial['task_seeds'] == {'rte': [0, 1], 'stsb': [0]}
   assert '| rte 0,1; stsb 0 |' in table
   assert '| 0,1 |' in table  # the control's tasks cover the same seeds: one list
+  # ... and its STS-B difference pairs it with the control's seed 0 alone.
+  alone = partial['task_differences']['stsb']['estimate']
+  seed0 = scores['stsb-collaborative-96-st2-s0'] - scores['stsb-original-None-st2-s0']
+  assert alone == pytest.approx(seed0, abs=1e-6)
 
   # The conversions' error: the mean over the runs conversions.json records, and a row says
   # when that is only some of them.
