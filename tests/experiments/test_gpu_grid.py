@@ -8,6 +8,7 @@ import sys
 import tarfile
 import textwrap
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.integration  # starts the script and its Python processes
@@ -139,3 +140,50 @@ def test_mps_0_leaves_the_daemon_alone(tmp_path):
   gpu_grid(tmp_path, 'experiments/bottleneck', 'fake_experiment', deadline=5, MPS='0', **env)
   assert not (tmp_path / 'mps.log').exists()
   assert 'CUDA MPS: off' in (tmp_path / 'out' / 'machine.txt').read_text()
+
+
+def test_carried_model_and_runs_stay_for_the_calls_after(tmp_path):
+  """A PREPARE_ONLY call carrying .gpu_minilm and .gpu_runs leaves the model (and its stand-in
+  package) under $PREPARED and the runs, finished, in $RUNS; a later call carrying neither
+  finds the model."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import safetensors.numpy  # pylint: disable=g-import-not-at-top
+
+  from experiments import gpu_minilm, gpu_runs  # pylint: disable=g-import-not-at-top
+  from lowrank_attn.train import checkpoints  # pylint: disable=g-import-not-at-top
+
+  first = tmp_path / 'first_call'
+  first.mkdir()
+  (first / 'experiments').symlink_to(REPO_ROOT / 'experiments')
+  minilm = first / '.gpu_minilm'
+  (minilm / 'site' / gpu_minilm.PACKAGE).mkdir(parents=True)
+  (minilm / 'site' / gpu_minilm.PACKAGE / '__init__.py').write_text(gpu_minilm.STAND_IN)
+  (minilm / 'vocab.txt').write_text('[PAD]\n')
+  safetensors.numpy.save_file({'w': np.full(3, 0.1, np.float16)}, str(minilm / gpu_minilm.ROUNDED))
+  run = tmp_path / 'here' / 'original-s0'  # a finished run of this CPU
+  run.mkdir(parents=True)
+  (run / 'config.json').write_text('{}')
+  (run / 'DONE').write_text('{"name": "original-s0"}')
+  checkpointer = checkpoints.Checkpointer(str(run), keep=1, async_save=False)
+  params = {'w': np.full(3, 0.1, np.float32)}
+  checkpointer.save(5, {'step': jnp.asarray(5, jnp.int32), 'params': params}, {})
+  checkpointer.close()
+  gpu_runs.pack(first / '.gpu_runs', [run])
+
+  done = gpu_grid(tmp_path, deadline=15, cwd=first, PREPARE_ONLY='1')
+  assert 'minilm/; runs in' in done.stdout, done.stdout
+  prepared, runs = tmp_path / 'prepared', tmp_path / 'runs'
+  weights = safetensors.numpy.load_file(str(prepared / 'minilm' / 'model.safetensors'))
+  np.testing.assert_array_equal(weights['w'], np.float32(np.float16(0.1)))
+  assert (prepared / 'minilm' / 'vocab.txt').read_text() == '[PAD]\n'
+  assert (runs / 'original-s0' / 'DONE').read_text() == '{"name": "original-s0"}'
+  assert (runs / 'original-s0' / 'config.json').read_text() == '{}'
+
+  second = tmp_path / 'second_call'
+  second.mkdir()
+  (second / 'experiments').symlink_to(REPO_ROOT / 'experiments')
+  gpu_grid(tmp_path, 'experiments/bottleneck', 'fake_experiment', deadline=5, cwd=second)
+  assert (
+      f'all-MiniLM-L6-v2 (float16-rounded) from {prepared / "minilm"}'
+      in (tmp_path / 'out' / 'machine.txt').read_text()
+  )
