@@ -26,7 +26,7 @@
 # second call between `bash experiments/gpu_slim_index.sh slim` and `... restore`.
 # A grid that starts from a run fine-tuned here (SST-2's original, hours on a CPU) gets it as
 # .gpu_runs (`python -m experiments.gpu_runs pack .gpu_runs RUN_DIR...`: parameters rounded to
-# float16, 45 MB for MiniLM), unpacked into $RUNS, where the grid counts it as finished. With
+# float16, 40 MB for a fine-tuned MiniLM), unpacked into $RUNS, where the grid counts it as finished. With
 # .gpu_minilm that is over 64 MiB: any call may carry .gpu_minilm with PREPARE_ONLY=1, which
 # leaves the model under $PREPARED for the later calls, and the grid's call carries .gpu_runs.
 #
