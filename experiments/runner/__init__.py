@@ -14,7 +14,9 @@ every attempt), `attempts.jsonl`, `LOCK` and, once the command exited 0, `DONE`:
 with the run's seed, config, command, wall time, machine and collected metrics. A rerun skips
 runs with a DONE file and starts the others again; our training CLI resumes from the
 checkpoints in its workdir, so an interrupted training run continues where it stopped.
-`results.json` in the experiment folder is rebuilt from the DONE files after every finished run.
+`results.json` in the experiment folder is rebuilt from the DONE files after every finished run;
+it keeps every eval line but at most `TRAIN_LINES` train lines per run (the first, the last and
+evenly between: the whole curve stays in the run's metrics.jsonl and TensorBoard).
 Each attempt records the code it ran (`code`: the commit of the commands' checkout and the
 tracked Python files modified in it), because a command imports the code anew at every (re)start: a
 grid run from a tree someone is editing says so in its log, its attempts and its DONE entry.
@@ -23,7 +25,8 @@ from its root: a script run by its path (`tpu/compile.py`, `benchmarks/*.py`) im
 from where the venv's editable install points (the main checkout) unless `PYTHONPATH` names
 the worktree.
 
-`python -m experiments.runner status RUNS_DIR` lists the state of each run directory.
+`python -m experiments.runner status RUNS_DIR` lists the state of each run directory;
+`python -m experiments.runner compact RESULTS...` thins a results.json written before that.
 
 One module per concern, their public names all here (`from experiments import runner`):
 `grid` (Run, train_run, run_grid, status: the scheduler), `results` (reading metrics and
@@ -53,8 +56,10 @@ from experiments.runner.provenance import (
 )
 from experiments.runner.report import markdown_table, plot_lines, write_section
 from experiments.runner.results import (
+    TRAIN_LINES,
     aggregate,
     bleu_of,
+    compact,
     final,
     history,
     holds_run,
@@ -63,4 +68,5 @@ from experiments.runner.results import (
     read_run,
     recorded,
     runs_summary,
+    thin_train,
 )

@@ -1,4 +1,6 @@
 """`python -m experiments.runner status RUNS_DIR`: the state of each run directory.
+`python -m experiments.runner compact RESULTS...`: thins the train lines of results.json files
+written before results.json kept at most `results.TRAIN_LINES` of them per run.
 `python -m experiments.runner manifest`: writes provenance.MANIFEST in this checkout, for a copy
 of it without .git (an accelerator machine's) to record the commit its runs ran."""
 
@@ -9,6 +11,7 @@ import sys
 
 from experiments.runner.grid import status
 from experiments.runner.provenance import REPO_ROOT, write_manifest
+from experiments.runner.results import TRAIN_LINES, compact
 from experiments.runner.report import markdown_table
 
 
@@ -26,7 +29,21 @@ def main(argv: Sequence[str] | None = None) -> None:
   commands.add_parser(
       'manifest', help=f'write the commit and file hashes for copies of {REPO_ROOT}'
   )
+  compact_parser = commands.add_parser(
+      'compact', help=f'keep at most {TRAIN_LINES} train lines per run in results.json files'
+  )
+  compact_parser.add_argument('results', nargs='+', help='results.json files or their folders')
   args = parser.parse_args(argv)
+  if args.command == 'compact':
+    for path in args.results:
+      if not pathlib.Path(path).exists():
+        sys.exit(f'No such file or folder: {path}')
+      try:
+        before, after = compact(path)
+      except ValueError as e:
+        sys.exit(str(e))
+      print(f'{path}: {before / 1024:.0f} KB -> {after / 1024:.0f} KB')
+    return
   if args.command == 'manifest':
     print(write_manifest(REPO_ROOT))
     return

@@ -6,8 +6,11 @@ An experiment folder holds `results.json`; a run directory (`<runs_dir>/<name>/`
 writes goes through `write_text`, so no reader ever sees half of one.
 """
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+import contextlib
+import fcntl
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -44,6 +47,18 @@ def read_jsonl(path: pathlib.Path) -> list[dict]:
 def append_jsonl(path: pathlib.Path, entry: Mapping[str, Any]) -> None:
   with open(path, 'a') as f:
     f.write(json.dumps(entry) + '\n')
+
+
+@contextlib.contextmanager
+def results_lock(path: pathlib.Path) -> Iterator[None]:
+  """Held while results.json at `path` is read, merged and written again: the lock is on its
+  folder, since the file itself is replaced."""
+  lock = os.open(path.parent, os.O_RDONLY)
+  try:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(lock)
 
 
 def write_json(path: pathlib.Path, data: Any) -> None:

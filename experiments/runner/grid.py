@@ -26,7 +26,7 @@ from typing import Any
 from experiments.runner import files
 from experiments.runner.files import ATTEMPTS_FILE, DONE_FILE, LOCK_FILE, LOG_FILE, RESULTS_FILE
 from experiments.runner.provenance import REPO_ROOT, code_version, default_runs_dir, machine
-from experiments.runner.results import read_run
+from experiments.runner.results import read_run, thin_train
 
 _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._=,+-]{0,199}')
 _ENTRY_KEYS = (
@@ -554,14 +554,18 @@ class _Grid:
     return ', '.join(f'{name} ({why.split(";")[0]})' for name, why in self.failed.items())
 
   def results(self) -> dict[str, Any]:
+    """results.json's content; each run's train lines thinned (`results.thin_train`)."""
+    entries = [
+        self.done.get(run.name) or self.previous[run.name]
+        for run in self.runs
+        if run.name in self.done or run.name in self.previous
+    ] + self.kept
     return {
         'runs_dir': str(self.runs_dir),
         'runs': [
-            self.done.get(run.name) or self.previous[run.name]
-            for run in self.runs
-            if run.name in self.done or run.name in self.previous
-        ]
-        + self.kept,
+            {**entry, 'metrics': thin_train(entry['metrics'])} if 'metrics' in entry else entry
+            for entry in entries
+        ],
         'failed': [{'name': name, 'why': why} for name, why in self.failed.items()],
         'unfinished': [
             run.name
@@ -573,15 +577,11 @@ class _Grid:
   def write_results(self) -> None:
     """results.json as it is now, merged: another grid writing the same file meanwhile (two
     stages of one experiment side by side) keeps its entries; this grid's runs are its own."""
-    lock = os.open(self.results_path.parent, os.O_RDONLY)  # the folder: the file is replaced
-    try:
-      fcntl.flock(lock, fcntl.LOCK_EX)
+    with files.results_lock(self.results_path):
       names = {run.name for run in self.runs}
       found = (files.read_json(self.results_path) or {}).get('runs', [])
       self.kept = [entry for entry in found if entry['name'] not in names]
       files.write_json(self.results_path, self.results())
-    finally:
-      os.close(lock)
 
 
 def status(runs_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -11,6 +11,11 @@ from typing import Any
 from experiments.runner import files
 from experiments.runner.files import METRICS_FILE, RESULT_FILE, RESULTS_FILE
 
+# The train lines results.json keeps per run: the run's whole curve is in its metrics.jsonl and
+# TensorBoard; results.json is the grid's committed record (eval lines, result.json, config),
+# and a GLUE fine-tune's train lines were two thirds of it.
+TRAIN_LINES = 8
+
 
 def read_metrics(rundir: str | os.PathLike) -> list[dict[str, Any]]:
   """`<rundir>/metrics.jsonl`, keeping the last line per (split, step), sorted by both.
@@ -33,15 +38,28 @@ def read_metrics(rundir: str | os.PathLike) -> list[dict[str, Any]]:
   return [last[key] for key in sorted(last)]
 
 
+def thin_train(lines: Sequence[Mapping[str, Any]], keep: int = TRAIN_LINES) -> list[Any]:
+  """`lines` with at most `keep` (>= 2) of their train lines: the first, the last and evenly
+  spaced between them, in order; every other split's lines stay. Thinning twice changes
+  nothing more."""
+  if keep < 2:
+    raise ValueError(f'keep={keep}: at least the first and the last train line stay')
+  train = [i for i, line in enumerate(lines) if line['split'] == 'train']
+  if len(train) <= keep:
+    return list(lines)
+  kept = {train[round(j * (len(train) - 1) / (keep - 1))] for j in range(keep)}
+  return [line for i, line in enumerate(lines) if line['split'] != 'train' or i in kept]
+
+
 def read_run(rundir: str | os.PathLike) -> dict[str, Any]:
   """The default collector: metrics.jsonl (without the hparams line), result.json, config.json.
 
-  `metrics`: the lines of `read_metrics`; `result`: the run's own `result.json` ({} if none);
+  `metrics`: the lines of `read_metrics`, train lines thinned (`thin_train`); `result`: the run's own `result.json` ({} if none);
   `full_config`: the resolved config our training CLI writes (omitted if absent).
   """
   rundir = pathlib.Path(rundir)
   out = {
-      'metrics': [m for m in read_metrics(rundir) if m['split'] != 'hparams'],
+      'metrics': thin_train([m for m in read_metrics(rundir) if m['split'] != 'hparams']),
       'result': files.read_json(rundir / RESULT_FILE) or {},
   }
   full_config = files.read_json(rundir / 'config.json')
@@ -53,9 +71,29 @@ def read_run(rundir: str | os.PathLike) -> dict[str, Any]:
 def holds_run(entry: Mapping[str, Any], rundir: str | os.PathLike) -> bool:
   """Whether `rundir` holds the run that results.json's `entry` records: its metrics lines
   are the entry's (not a run of the same name trained again since, e.g. by another
-  experiment sharing the runs directory, whose results.json records that one)."""
+  experiment sharing the runs directory, whose results.json records that one). An entry
+  written before its train lines were thinned (`compact`) still matches."""
   as_text = lambda lines: json.dumps(lines, sort_keys=True)  # NaN equals NaN here
-  return 'metrics' in entry and as_text(read_run(rundir)['metrics']) == as_text(entry['metrics'])
+  return 'metrics' in entry and as_text(read_run(rundir)['metrics']) == as_text(
+      thin_train(entry['metrics'])
+  )
+
+
+def compact(path: str | os.PathLike) -> tuple[int, int]:
+  """Thins the train lines of every run results.json (the file or its folder) records, as
+  `read_run` now collects them; returns the file's size in bytes before and after."""
+  path = pathlib.Path(path)
+  path = path / RESULTS_FILE if path.is_dir() else path
+  with files.results_lock(path):  # not while a grid merges its runs into the file
+    before = path.stat().st_size
+    results = load_results(path)
+    if not isinstance(results, dict) or not isinstance(results.get('runs'), list):
+      raise ValueError(f'{path}: not a grid\'s results.json (no list of runs under "runs")')
+    for entry in results['runs']:
+      if 'metrics' in entry:
+        entry['metrics'] = thin_train(entry['metrics'])
+    files.write_json(path, results)
+    return before, path.stat().st_size
 
 
 def load_results(path: str | os.PathLike) -> dict[str, Any]:

@@ -659,3 +659,84 @@ def test_a_finished_run_of_another_command_under_the_name_stops_the_grid(tmp_pat
   assert [
       e['name'] for e in runner.run_grid([same], tmp_path / 'three', runs_dir=runs_dir)['runs']
   ] == ['a']
+
+
+LONG_RUN = """
+    import json, pathlib, sys
+    rundir = pathlib.Path(sys.argv[1])
+    lines = [{'step': step, 'split': 'train', 'loss': 10.0 / step} for step in range(1, 31)]
+    lines += [{'step': step, 'split': 'eval', 'loss': 1.0 + 10.0 / step} for step in (10, 20, 30)]
+    (rundir / 'metrics.jsonl').write_text(''.join(json.dumps(line) + '\\n' for line in lines))
+"""
+
+
+def evenly(first, last, count):
+  """`count` integers from `first` to `last`, evenly spaced (rounded): numpy's own."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  return [int(x) for x in np.rint(np.linspace(first, last, count))]
+
+
+def test_thin_train_keeps_first_last_and_evenly_between_and_every_eval_line():
+  lines = [{'step': s, 'split': 'train'} for s in range(1, 18)]  # 17 train lines
+  lines.insert(5, {'step': 5, 'split': 'eval'})
+  lines.append({'step': 17, 'split': 'validation'})
+  thinned = runner.thin_train(lines, keep=5)
+  assert [m['step'] for m in thinned if m['split'] == 'train'] == [1, 5, 9, 13, 17]
+  assert [m for m in thinned if m['split'] != 'train'] == [lines[5], lines[-1]]
+  assert thinned.index(lines[5]) == 2  # in its place among the train lines
+  assert runner.thin_train(thinned, keep=5) == thinned  # twice changes nothing more
+  assert runner.thin_train(lines[:4], keep=5) == lines[:4]
+  with pytest.raises(ValueError, match='keep=1'):
+    runner.thin_train(lines, keep=1)
+
+
+def test_results_json_keeps_few_train_lines_and_old_full_entries_still_count(tmp_path):
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  runs = [runner.Run(name, py(LONG_RUN, '{rundir}')) for name in ('a', 'b')]
+  results = runner.run_grid(runs, out, runs_dir=runs_dir)
+  keep = runner.TRAIN_LINES
+  assert 2 <= keep < 30
+  for entry in (*results['runs'], *runner.load_results(out)['runs']):
+    assert [m['step'] for m in entry['metrics'] if m['split'] == 'train'] == evenly(1, 30, keep)
+    assert [m['step'] for m in entry['metrics'] if m['split'] == 'eval'] == [10, 20, 30]
+  # The whole curve stays in the run directory.
+  assert len(runner.read_metrics(runs_dir / 'a')) == 33
+
+  # A results.json written before the thinning (every train line) ...
+  full = json.loads((out / 'results.json').read_text())
+  for entry in full['runs']:
+    entry['metrics'] = runner.read_metrics(runs_dir / entry['name'])
+  (out / 'results.json').write_text(json.dumps(full))
+  # ... is thinned by the next grid's write, also the entries of runs not in that grid ...
+  runner.run_grid(runs[:1], out, runs_dir=runs_dir)
+  assert runner.load_results(out)['runs'] == results['runs']
+  (out / 'results.json').write_text(json.dumps(full))
+  # ... and still records the runs its directories hold: that entry, or the thinned one.
+  for entry in (*full['runs'], *results['runs']):
+    assert runner.holds_run(entry, runs_dir / entry['name'])
+  assert not runner.holds_run(full['runs'][0], runs_dir / 'b' / 'missing')
+  other = {**full['runs'][0], 'metrics': full['runs'][0]['metrics'][1:]}
+  assert not runner.holds_run(other, runs_dir / 'a')
+
+  # `compact` thins that file as a grid now writes it; the runs, their directories gone,
+  # still count as finished and do not run again.
+  before, after = runner.compact(out)
+  assert after < before
+  assert runner.load_results(out)['runs'] == results['runs']
+  shutil.rmtree(runs_dir)
+  again = runner.run_grid(runs, out, runs_dir=runs_dir)
+  assert again['runs'] == results['runs'] and not runs_dir.joinpath('a', 'metrics.jsonl').exists()
+
+
+def test_compact_command_refuses_a_file_that_is_not_a_grids(tmp_path):
+  other = tmp_path / 'results.json'
+  other.write_text('[{"method": "original"}]')
+  done = subprocess.run(
+      [sys.executable, '-m', 'experiments.runner', 'compact', str(other)],
+      cwd=REPO_ROOT,
+      capture_output=True,
+      text=True,
+  )
+  assert done.returncode != 0 and 'not a grid' in done.stderr and str(other) in done.stderr
+  assert other.read_text() == '[{"method": "original"}]'
