@@ -168,7 +168,10 @@ def run_grid(
     (under a lock on `out_dir`), so grids of one experiment may run side by side.
   runs_dir: the run directories' root (default `default_runs_dir(<out_dir's name>)`). A run
     directory whose DONE records another command (up to the interpreter's path and the runs
-    directory) is another run under the same name: ValueError before anything runs.
+    directory) is another run under the same name: ValueError before anything runs. So is
+    one whose DONE records another finish time than the entry results.json holds for it (the
+    same command run twice: lost here and made again elsewhere, or the other way round),
+    unless `rerun_lost` names it: a record is never replaced without a word.
   cwd: the commands' working directory (default: the repository root); env: extra variables.
   refresh: collect finished runs again (after changing a collector), rewriting their DONE.
   rerun_lost: a run recorded in results.json whose directory is gone runs again instead of
@@ -277,7 +280,7 @@ class _Grid:
     unknown = sorted(again - {run.name for run in self.runs})
     if unknown:
       raise ValueError(f'grid: rerun_lost names runs that are not in the grid: {unknown}')
-    conflicts = []
+    conflicts, replaced = [], []
     for run in self.runs:
       entry = files.read_json(self.rundir(run) / DONE_FILE)
       if entry is None:
@@ -306,7 +309,30 @@ class _Grid:
             f'{run.name}: its directory holds a run of\n  {_quote(entry["command"])}\n'
             f'  this grid runs\n  {_quote(run.command)}'
         )
+      record = self.recorded.get(run.name)
+      if record is not None and _another_run(record, entry):
+        if not (rerun_lost is True or run.name in again):
+          replaced.append(
+              f'{run.name}: {self.results_path.name} records the run that finished '
+              f'{record["finished"]}{_on(record)}, its directory holds one that finished '
+              f'{entry["finished"]}{_on(entry)}'
+          )
+        else:
+          _say(
+              f'grid: {run.name} ran again (rerun_lost) since the record in '
+              f'{self.results_path.name}, finished {record["finished"]}: the rerun, finished '
+              f'{entry["finished"]}, replaces it'
+          )
       self.done[run.name] = entry
+    if replaced:  # same command, another run: its record would be lost without a word
+      raise ValueError(
+          f'grid: {len(replaced)} run directories in {self.runs_dir} hold other runs of the '
+          'command than the ones results.json records (e.g. the run was lost and made again '
+          'elsewhere):\n' + '\n'.join(replaced) + '\nTo keep the records, move those '
+          'directories away (or delete their DONE files to run them again); to take the '
+          "directories' runs, name them in rerun_lost (or delete their entries from "
+          f'{self.results_path}).'
+      )
     if conflicts:  # another run under this name: its results are not this grid's
       raise ValueError(
           f'grid: {len(conflicts)} run directories in {self.runs_dir} hold finished runs of '
@@ -582,6 +608,19 @@ class _Grid:
       found = (files.read_json(self.results_path) or {}).get('runs', [])
       self.kept = [entry for entry in found if entry['name'] not in names]
       files.write_json(self.results_path, self.results())
+
+
+def _another_run(record: Mapping[str, Any], done: Mapping[str, Any]) -> bool:
+  """Whether results.json's `record` and a run directory's DONE entry are two runs: each
+  records when it finished (entries without the time are taken to be the same run)."""
+  return None not in (record.get('finished'), done.get('finished')) and (
+      record['finished'] != done['finished']
+  )
+
+
+def _on(entry: Mapping[str, Any]) -> str:
+  gpus = entry.get('machine', {}).get('gpus')
+  return f' on {", ".join(gpus)}' if gpus else ''
 
 
 def status(runs_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -740,3 +740,29 @@ def test_compact_command_refuses_a_file_that_is_not_a_grids(tmp_path):
   )
   assert done.returncode != 0 and 'not a grid' in done.stderr and str(other) in done.stderr
   assert other.read_text() == '[{"method": "original"}]'
+
+
+def test_a_directory_holding_another_run_than_the_record_stops_the_grid(tmp_path):
+  """The same command run twice (its directory lost, the run made again elsewhere, the two
+  results.json merged): the record is not replaced without a word."""
+  out, runs_dir, mark = tmp_path / 'exp', tmp_path / 'runs', tmp_path / 'a.count'
+  runs = [runner.Run('a', count(mark)), runner.Run('b', count(tmp_path / 'b.count'))]
+  runner.run_grid(runs, out, runs_dir=runs_dir)
+  first = (out / 'results.json').read_text()
+  (runs_dir / 'a' / 'DONE').unlink()
+  time.sleep(1.1)  # finish times have whole seconds
+  runner.run_grid(runs, out, runs_dir=runs_dir, rerun_lost=['a'])  # the run made again
+  assert mark.read_text() == 'xx'
+  second = runner.load_results(out)
+  (out / 'results.json').write_text(first)  # ... and the first one's record merged back
+
+  with pytest.raises(ValueError, match='records the run that finished') as raised:
+    runner.run_grid(runs, out, runs_dir=runs_dir)
+  recorded_at = json.loads(first)['runs'][0]['finished']
+  assert recorded_at in str(raised.value) and second['runs'][0]['finished'] in str(raised.value)
+  assert "'b'" not in str(raised.value) and '\nb:' not in str(raised.value)
+  assert (out / 'results.json').read_text() == first and mark.read_text() == 'xx'
+
+  # Named in rerun_lost, the directory's run is taken, without running it a third time.
+  taken = runner.run_grid(runs, out, runs_dir=runs_dir, rerun_lost=['a'])
+  assert taken['runs'][0]['finished'] == second['runs'][0]['finished'] and mark.read_text() == 'xx'
