@@ -37,10 +37,21 @@ FAKE_GRID = textwrap.dedent("""
 """)
 
 
-def gpu_grid(tmp_path, *args, deadline, cwd=REPO_ROOT, **env):
+def checkout(path: pathlib.Path) -> pathlib.Path:
+  """A copy of the checkout as a call gets it, without the carried folders this one may hold
+  (.gpu_data, .gpu_minilm, .gpu_runs made here for a device call): this repo's experiments/."""
+  path.mkdir()
+  (path / 'experiments').symlink_to(REPO_ROOT / 'experiments')
+  return path
+
+
+def gpu_grid(tmp_path, *args, deadline, cwd=None, **env):
   """Runs experiments/gpu_grid.sh ARGS with the fake experiment importable, this venv's python
-  first on PATH, no wheels, and OUT, RUNS and PREPARED under tmp_path."""
+  first on PATH, no wheels, and OUT, RUNS and PREPARED under tmp_path; from `cwd`, by default a
+  checkout without carried folders."""
   (tmp_path / 'fake_experiment.py').write_text(FAKE_GRID)
+  if cwd is None:
+    cwd = checkout(tmp_path / 'checkout')
   env = {
       **{k: v for k, v in os.environ.items() if k != 'LOWRANK_ATTN_DATA'},
       'OUT': str(tmp_path / 'out'),
@@ -96,10 +107,7 @@ def test_a_first_call_prepares_what_the_second_finds(tmp_path):
 
   # The second call from a checkout without .gpu_data (this one may have one, from a device
   # call), its experiments/ this repo's.
-  second = tmp_path / 'second_call'
-  second.mkdir()
-  (second / 'experiments').symlink_to(REPO_ROOT / 'experiments')
-  gpu_grid(tmp_path, 'experiments/bottleneck', 'fake_experiment', deadline=5, cwd=second)
+  gpu_grid(tmp_path, 'experiments/bottleneck', 'fake_experiment', deadline=5)
   assert f'data: {prepared / "data"}' in (tmp_path / 'out' / 'grid.log').read_text()
 
 
@@ -152,9 +160,7 @@ def test_carried_model_and_runs_stay_for_the_calls_after(tmp_path):
   from experiments import gpu_minilm, gpu_runs  # pylint: disable=g-import-not-at-top
   from lowrank_attn.train import checkpoints  # pylint: disable=g-import-not-at-top
 
-  first = tmp_path / 'first_call'
-  first.mkdir()
-  (first / 'experiments').symlink_to(REPO_ROOT / 'experiments')
+  first = checkout(tmp_path / 'first_call')
   minilm = first / '.gpu_minilm'
   (minilm / 'site' / gpu_minilm.PACKAGE).mkdir(parents=True)
   (minilm / 'site' / gpu_minilm.PACKAGE / '__init__.py').write_text(gpu_minilm.STAND_IN)
@@ -179,10 +185,7 @@ def test_carried_model_and_runs_stay_for_the_calls_after(tmp_path):
   assert (runs / 'original-s0' / 'DONE').read_text() == '{"name": "original-s0"}'
   assert (runs / 'original-s0' / 'config.json').read_text() == '{}'
 
-  second = tmp_path / 'second_call'
-  second.mkdir()
-  (second / 'experiments').symlink_to(REPO_ROOT / 'experiments')
-  gpu_grid(tmp_path, 'experiments/bottleneck', 'fake_experiment', deadline=5, cwd=second)
+  gpu_grid(tmp_path, 'experiments/bottleneck', 'fake_experiment', deadline=5)
   assert (
       f'all-MiniLM-L6-v2 (float16-rounded) from {prepared / "minilm"}'
       in (tmp_path / 'out' / 'machine.txt').read_text()
