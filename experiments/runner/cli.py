@@ -34,15 +34,20 @@ def main(argv: Sequence[str] | None = None) -> None:
   )
   compact_parser.add_argument('results', nargs='+', help='results.json files or their folders')
   args = parser.parse_args(argv)
-  if args.command == 'compact':
-    for path in args.results:
-      if not pathlib.Path(path).exists():
-        sys.exit(f'No such file or folder: {path}')
+  if args.command == 'compact':  # every file it can; then exit 1 if it refused any
+    refused = [path for path in args.results if not pathlib.Path(path).exists()]
+    for path in refused:
+      print(f'No such file or folder: {path}', file=sys.stderr)
+    for path in [path for path in args.results if path not in refused]:
       try:
         before, after = compact(path)
       except ValueError as e:
-        sys.exit(str(e))
+        print(f'left as it is: {e}', file=sys.stderr)
+        refused.append(path)
+        continue
       print(f'{path}: {before / 1024:.0f} KB -> {after / 1024:.0f} KB')
+    if refused:
+      sys.exit(1)
     return
   if args.command == 'manifest':
     print(write_manifest(REPO_ROOT))

@@ -729,17 +729,25 @@ def test_results_json_keeps_few_train_lines_and_old_full_entries_still_count(tmp
   assert again['runs'] == results['runs'] and not runs_dir.joinpath('a', 'metrics.jsonl').exists()
 
 
-def test_compact_command_refuses_a_file_that_is_not_a_grids(tmp_path):
-  other = tmp_path / 'results.json'
+def test_compact_command_refuses_a_file_that_is_not_a_grids_and_does_the_others(tmp_path):
+  other = tmp_path / 'other' / 'results.json'
+  other.parent.mkdir()
   other.write_text('[{"method": "original"}]')
+  grid = tmp_path / 'grid'
+  runner.run_grid([runner.Run('a', py(LONG_RUN, '{rundir}'))], grid, runs_dir=tmp_path / 'runs')
+  full = runner.load_results(grid)
+  full['runs'][0]['metrics'] = runner.read_metrics(tmp_path / 'runs' / 'a')
+  runner.files.write_json(grid / 'results.json', full)
   done = subprocess.run(
-      [sys.executable, '-m', 'experiments.runner', 'compact', str(other)],
+      [sys.executable, '-m', 'experiments.runner', 'compact', str(other), str(grid)],
       cwd=REPO_ROOT,
       capture_output=True,
       text=True,
   )
-  assert done.returncode != 0 and 'not a grid' in done.stderr and str(other) in done.stderr
+  assert done.returncode == 1 and 'not a grid' in done.stderr and str(other) in done.stderr
   assert other.read_text() == '[{"method": "original"}]'
+  lines = runner.load_results(grid)['runs'][0]['metrics']
+  assert len([m for m in lines if m['split'] == 'train']) == runner.TRAIN_LINES
 
 
 def test_a_directory_holding_another_run_than_the_record_stops_the_grid(tmp_path):
