@@ -68,5 +68,6 @@ from experiments.runner.results import (
     read_run,
     recorded,
     runs_summary,
+    thin_entry,
     thin_train,
 )

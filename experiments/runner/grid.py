@@ -26,7 +26,7 @@ from typing import Any
 from experiments.runner import files
 from experiments.runner.files import ATTEMPTS_FILE, DONE_FILE, LOCK_FILE, LOG_FILE, RESULTS_FILE
 from experiments.runner.provenance import REPO_ROOT, code_version, default_runs_dir, machine
-from experiments.runner.results import read_run, thin_train
+from experiments.runner.results import read_run, thin_entry
 
 _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._=,+-]{0,199}')
 _ENTRY_KEYS = (
@@ -311,17 +311,17 @@ class _Grid:
         )
       record = self.recorded.get(run.name)
       if record is not None and _another_run(record, entry):
-        if not (rerun_lost is True or run.name in again):
-          replaced.append(
-              f'{run.name}: {self.results_path.name} records the run that finished '
-              f'{record["finished"]}{_on(record)}, its directory holds one that finished '
-              f'{entry["finished"]}{_on(entry)}'
-          )
-        else:
+        if rerun_lost is True or run.name in again:
           _say(
               f'grid: {run.name} ran again (rerun_lost) since the record in '
               f'{self.results_path.name}, finished {record["finished"]}: the rerun, finished '
               f'{entry["finished"]}, replaces it'
+          )
+        else:
+          replaced.append(
+              f'{run.name}: {self.results_path.name} records the run that finished '
+              f'{record["finished"]}{_on(record)}, its directory holds one that finished '
+              f'{entry["finished"]}{_on(entry)}'
           )
       self.done[run.name] = entry
     if replaced:  # same command, another run: its record would be lost without a word
@@ -588,10 +588,7 @@ class _Grid:
     ] + self.kept
     return {
         'runs_dir': str(self.runs_dir),
-        'runs': [
-            {**entry, 'metrics': thin_train(entry['metrics'])} if 'metrics' in entry else entry
-            for entry in entries
-        ],
+        'runs': [thin_entry(entry) for entry in entries],
         'failed': [{'name': name, 'why': why} for name, why in self.failed.items()],
         'unfinished': [
             run.name

@@ -51,11 +51,16 @@ def thin_train(lines: Sequence[Mapping[str, Any]], keep: int = TRAIN_LINES) -> l
   return [line for i, line in enumerate(lines) if line['split'] != 'train' or i in kept]
 
 
+def thin_entry(entry: Mapping[str, Any]) -> Mapping[str, Any]:
+  """A results.json entry as results.json keeps it: its train lines thinned (`thin_train`)."""
+  return {**entry, 'metrics': thin_train(entry['metrics'])} if 'metrics' in entry else entry
+
+
 def read_run(rundir: str | os.PathLike) -> dict[str, Any]:
   """The default collector: metrics.jsonl (without the hparams line), result.json, config.json.
 
-  `metrics`: the lines of `read_metrics`, train lines thinned (`thin_train`); `result`: the run's own `result.json` ({} if none);
-  `full_config`: the resolved config our training CLI writes (omitted if absent).
+  `metrics`: the lines of `read_metrics`, train lines thinned (`thin_train`); `result`: the
+  run's own `result.json` ({} if none); `full_config`: the resolved config our training CLI writes (omitted if absent).
   """
   rundir = pathlib.Path(rundir)
   out = {
@@ -89,10 +94,7 @@ def compact(path: str | os.PathLike) -> tuple[int, int]:
     results = load_results(path)
     if not isinstance(results, dict) or not isinstance(results.get('runs'), list):
       raise ValueError(f'{path}: not a grid\'s results.json (no list of runs under "runs")')
-    for entry in results['runs']:
-      if 'metrics' in entry:
-        entry['metrics'] = thin_train(entry['metrics'])
-    files.write_json(path, results)
+    files.write_json(path, {**results, 'runs': [thin_entry(entry) for entry in results['runs']]})
     return before, path.stat().st_size
 
 
