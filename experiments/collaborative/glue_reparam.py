@@ -77,6 +77,7 @@ PAPER_BERT_BASE = {
 }
 PREDICTIONS = 'validation_predictions.json'
 CONSTANT = 'constant prediction (input ignored)'  # the floor row of the tables
+REFERENCE = 'collaborative'  # the method the others are compared with, width by width
 D = 384  # all-MiniLM-L6-v2's width: the original's D~k
 PAPER_D = 768  # BERT-base's
 PLOT = 'difference_vs_width.png'
@@ -476,6 +477,24 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
       if entry['average'] is not None and len(paired) == len(tasks):
         entry['difference'] = stats.glue_difference(paired).as_dict()
     summary.append(entry)
+  for entry in summary:  # the other methods against CP at their width, on the seeds both have
+    reference = groups.get((REFERENCE, entry['key_dim']))
+    if entry['method'] == REFERENCE or not reference:  # (no CP row has the originals' None)
+      continue
+    paired = {}
+    for task in tasks:
+      seeds = set(entry['task_seeds'][task]) & {r['seed'] for r in reference if r['task'] == task}
+      a, labels = predictions([r for r in reference if r['seed'] in seeds], task)
+      b, _ = predictions(
+          [r for r in groups[entry['method'], entry['key_dim']] if r['seed'] in seeds], task
+      )
+      if a and b:
+        paired[task] = (labels, a, b)
+    entry['reference_differences'] = {
+        task: stats.glue_difference({task: pair}).as_dict() for task, pair in paired.items()
+    }
+    if len(paired) == len(tasks):
+      entry['reference_difference'] = stats.glue_difference(paired).as_dict()
   # The floor: the best single answer for every dev example (a row at it has lost the task).
   labels = {t: predictions(groups[control], t)[1] for t in tasks}
   if all(v is not None for v in labels.values()):
@@ -537,10 +556,27 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
           for task in tasks
       ],
   )
-  return (
-      table + '\n\nEach task alone, the row minus the control (paired bootstrap):\n\n' + per_task,
-      summary,
-  )
+  text = table + '\n\nEach task alone, the row minus the control (paired bootstrap):\n\n' + per_task
+  compared = [e for e in summary if e.get('reference_differences')]
+  if compared:
+    interval = lambda d: str(stats.Interval(**d)) if d else ''
+    text += (
+        f'\n\nEach other method minus {REFERENCE} at the same D~k (paired bootstrap, on the'
+        ' seeds both rows have; the average where every task has both):\n\n'
+        + runner.markdown_table(
+            compared,
+            [('method', 'method'), ('D~k', 'key_dim')]
+            + [
+                (
+                    f'{task} - {REFERENCE} [95%]',
+                    lambda e, t=task: interval(e['reference_differences'].get(t)),
+                )
+                for task in tasks
+            ]
+            + [(f'average - {REFERENCE} [95%]', lambda e: interval(e.get('reference_difference')))],
+        )
+    )
+  return text, summary
 
 
 def paper_score(value) -> float:

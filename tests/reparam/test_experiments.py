@@ -417,6 +417,65 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
     glue_reparam.glue_table(rows, predictions_dir, errors={})
 
 
+def test_glue_table_compares_each_method_with_cp_at_its_width(tmp_path):
+  """Per-head SVD and rescaled CP against CP at the same width, on the seeds both rows have:
+  each task's estimate is the difference of mean accuracies (plain numpy) over those seeds, the
+  average is over the tasks, a width without a CP row gets no comparison, and CP itself none."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.default_rng(2)
+  labels = {'rte': rng.integers(0, 2, 70), 'sst2': rng.integers(0, 2, 90)}  # accuracy, both
+  predictions_dir = tmp_path / 'predictions'
+  predictions_dir.mkdir()
+  rows, accuracy = [], {}
+  systems = [
+      ('original', None, 2, (0, 1), 0.2),
+      ('collaborative', 96, 2, (0, 1), 0.3),
+      ('per_head_svd', 96, 2, (0, 1, 2), 0.45),  # seed 2: no CP run to pair it with
+      ('per_head_svd', 48, 2, (0,), 0.4),  # no CP row at 48
+  ]
+  for method, key_dim, stage, seeds, flip in systems:
+    for task, y in labels.items():
+      for seed in seeds:
+        name = f'{task}-{method}-{key_dim}-s{seed}'
+        p = np.where(rng.random(len(y)) < flip, 1 - y, y)
+        kept = {'predictions': p.tolist(), 'labels': y.tolist()}
+        (predictions_dir / f'{name}.json').write_text(json.dumps(kept))
+        accuracy[name] = 100 * np.mean(p == y)
+        rows.append(
+            {
+                'name': name,
+                'task': task,
+                'method': method,
+                'key_dim': key_dim,
+                'stage': stage,
+                'seed': seed,
+                'score': accuracy[name],
+            }
+        )
+  table, summary = glue_reparam.glue_table(rows, predictions_dir, errors={})
+  by = {(e['method'], e['key_dim']): e for e in summary}
+  mean = lambda task, method, seeds: np.mean([accuracy[f'{task}-{method}-96-s{s}'] for s in seeds])
+  svd = by['per_head_svd', 96]
+  assert svd['rte'] == pytest.approx(mean('rte', 'per_head_svd', (0, 1, 2)), abs=1e-9)
+  expected = {t: mean(t, 'per_head_svd', (0, 1)) - mean(t, 'collaborative', (0, 1)) for t in labels}
+  for task, value in expected.items():
+    got = svd['reference_differences'][task]
+    assert got['estimate'] == pytest.approx(value, abs=1e-6)
+    assert got['low'] < value < got['high']
+  average = svd['reference_difference']
+  assert average['estimate'] == pytest.approx(np.mean(list(expected.values())), abs=1e-6)
+  assert 'reference_differences' not in by['collaborative', 96]
+  assert 'reference_differences' not in by['per_head_svd', 48]
+  assert 'reference_differences' not in by['original, fine-tuned again', None]
+  compared = table.split('Each other method minus collaborative')[1]
+  line = next(l for l in compared.splitlines() if l.startswith('| per_head_svd | 96 | '))
+  assert line.split('|')[-2].strip().startswith(f'{average["estimate"]:+.2f} [')
+  assert '| per_head_svd | 48 |' not in compared
+
+
 def test_glue_report_tables_the_conversions_before_the_fine_tune_apart(tmp_path, monkeypatch):
   """The runs scored before the second fine-tune (stage 0) stay out of the main table and get
   their own, against the first fine-tune (the model they were converted from); the main table
