@@ -36,8 +36,9 @@ Each run's final evaluation on the whole dev set (GLUE metrics x100) and its per
 predictions (`final_eval/<step>/validation_predictions.json`), copied next to this script in
 `glue/predictions/` as runs finish, feed the table: the task scores (mean over seeds), their
 average, and a 95% bootstrap interval over dev examples for the difference of each row's
-average to the original's (`experiments.stats`). Beside it, the paper's BERT-base rows; the
-plot `difference_vs_width.png` draws the differences against D / D~k beside the paper's.
+average to the original's (`experiments.stats`), then each other method minus CP at the same
+D~k. Beside it, the paper's BERT-base rows; the plot `difference_vs_width.png` draws the
+differences against D / D~k beside the paper's.
 Each conversion's relative errors are kept in `glue/conversions.json` (by run name), so that
 `--plot_only` redraws the tables and plots from committed files alone (no run directory, no
 conversion).
