@@ -296,13 +296,31 @@ def test_a_glue_run_trained_again_replaces_its_kept_predictions(tmp_path):
   assert (out / 'predictions' / 'other.json').read_text() == '"kept"'
 
 
+def _glue_row(
+    predictions_dir, name, task, method, key_dim, stage, seed, predictions, labels, score
+):
+  """A finished GLUE run as `glue_table` reads it: its results row, its dev predictions kept."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  kept = {'predictions': predictions.tolist(), 'labels': labels.tolist()}
+  (predictions_dir / f'{name}.json').write_text(json.dumps(kept))
+  return {
+      'name': name,
+      'task': task,
+      'method': method,
+      'key_dim': key_dim,
+      'stage': stage,
+      'seed': seed,
+      'score': score,
+  }
+
+
 def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   """Two tasks, the control (the original fine-tuned again) and one method, two seeds each,
   predictions made by hand: each cell is the mean of the recorded scores, the average is over
   the tasks, the interval's estimate is the difference of those averages computed with plain
   numpy formulas (accuracy; the mean of Pearson and Spearman), and predictions that do not
   score what a run recorded are refused."""
-  import json  # pylint: disable=g-import-not-at-top
 
   from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
 
@@ -334,20 +352,9 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
       for seed in ((0,) if stage == 1 else (0, 1)):
         name = f'{task}-{method}-{key_dim}-st{stage}-s{seed}'
         p = predict(task, noise)
-        kept = {'predictions': p.tolist(), 'labels': labels[task].tolist()}
-        (predictions_dir / f'{name}.json').write_text(json.dumps(kept))
         scores[name] = score(task, p)
-        rows.append(
-            {
-                'name': name,
-                'task': task,
-                'method': method,
-                'key_dim': key_dim,
-                'stage': stage,
-                'seed': seed,
-                'score': scores[name],
-            }
-        )
+        row = (name, task, method, key_dim, stage, seed, p, labels[task], scores[name])
+        rows.append(_glue_row(predictions_dir, *row))
   _, summary = glue_reparam.glue_table(rows, predictions_dir, errors={})
   by = {(e['method'], e['key_dim']): e for e in summary}
   mean = lambda method, key_dim, stage, task: np.mean(
@@ -421,7 +428,6 @@ def test_glue_table_compares_each_method_with_cp_at_its_width(tmp_path):
   """Per-head SVD and rescaled CP against CP at the same width, on the seeds both rows have:
   each task's estimate is the difference of mean accuracies (plain numpy) over those seeds, the
   average is over the tasks, a width without a CP row gets no comparison, and CP itself none."""
-  import json  # pylint: disable=g-import-not-at-top
 
   from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
 
@@ -441,20 +447,9 @@ def test_glue_table_compares_each_method_with_cp_at_its_width(tmp_path):
       for seed in seeds:
         name = f'{task}-{method}-{key_dim}-s{seed}'
         p = np.where(rng.random(len(y)) < flip, 1 - y, y)
-        kept = {'predictions': p.tolist(), 'labels': y.tolist()}
-        (predictions_dir / f'{name}.json').write_text(json.dumps(kept))
         accuracy[name] = 100 * np.mean(p == y)
-        rows.append(
-            {
-                'name': name,
-                'task': task,
-                'method': method,
-                'key_dim': key_dim,
-                'stage': stage,
-                'seed': seed,
-                'score': accuracy[name],
-            }
-        )
+        row = (name, task, method, key_dim, stage, seed, p, y, accuracy[name])
+        rows.append(_glue_row(predictions_dir, *row))
   table, summary = glue_reparam.glue_table(rows, predictions_dir, errors={})
   by = {(e['method'], e['key_dim']): e for e in summary}
   mean = lambda task, method, seeds: np.mean([accuracy[f'{task}-{method}-96-s{s}'] for s in seeds])
