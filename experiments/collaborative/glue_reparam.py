@@ -418,7 +418,9 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
   the average against the control with its paired bootstrap interval (`experiments.stats`);
   then B - A of each task alone, with its interval (rows of a slice without every task too).
   A row is paired with the control's runs of its own seeds, task by task (a seed still
-  running on some rows is left out of their comparison, not compared with another seed)."""
+  running on some rows is left out of their comparison, not compared with another seed).
+  Each other method's row is also set against CP's at its D~k, on the seeds both have
+  (`reference_differences` per task, `reference_difference` over the tasks)."""
   from experiments import stats  # pylint: disable=g-import-not-at-top  (imports JAX)
   from lowrank_attn.tasks.glue import constant_score  # pylint: disable=g-import-not-at-top
 
