@@ -130,6 +130,14 @@ def arg_parser(description: str | None, experiment: str) -> argparse.ArgumentPar
       '--refresh', action='store_true', help='collect the metrics of finished runs again'
   )
   parser.add_argument(
+      '--take_runs',
+      type=lambda names: [name for name in names.split(',') if name],
+      default=[],
+      metavar='NAME,...',
+      help='runs whose directories hold another run of the command results.json records (run '
+      "again elsewhere under the same name): the directories' runs replace the records",
+  )
+  parser.add_argument(
       '--plot_only',
       action='store_true',
       help='skip the runs; tables and plots from the existing results.json',
@@ -139,7 +147,12 @@ def arg_parser(description: str | None, experiment: str) -> argparse.ArgumentPar
 
 def grid_options(args: argparse.Namespace) -> dict[str, Any]:
   """`run_grid`'s keyword arguments from the flags of `arg_parser`."""
-  return {'parallel': args.parallel, 'refresh': args.refresh, 'pin_cpus': args.pin_cpus}
+  return {
+      'parallel': args.parallel,
+      'refresh': args.refresh,
+      'pin_cpus': args.pin_cpus,
+      'take_runs': args.take_runs,
+  }
 
 
 def run_grid(
@@ -152,6 +165,7 @@ def run_grid(
     env: Mapping[str, str] | None = None,
     refresh: bool = False,
     rerun_lost: bool | Collection[str] = False,
+    take_runs: Collection[str] = (),
     pin_cpus: bool = False,
     tail_lines: int = 20,
     stop_timeout_s: float = 120.0,
@@ -171,7 +185,7 @@ def run_grid(
     directory) is another run under the same name: ValueError before anything runs. So is
     one whose DONE records another finish time than the entry results.json holds for it (the
     same command run twice: lost here and made again elsewhere, or the other way round),
-    unless `rerun_lost` names it: a record is never replaced without a word.
+    unless `take_runs` or `rerun_lost` names it: a record is never replaced without a word.
   cwd: the commands' working directory (default: the repository root); env: extra variables.
   refresh: collect finished runs again (after changing a collector), rewriting their DONE.
   rerun_lost: a run recorded in results.json whose directory is gone runs again instead of
@@ -179,6 +193,12 @@ def run_grid(
     True for every such run, or the names of those to run again: the runs whose directories
     later runs still to do start from (a checkpoint to fine-tune), which a record cannot
     stand in for.
+  take_runs: the names of runs whose directories hold another run of the recorded command
+    (e.g. another experiment sharing the runs directory ran it again): the directory's run
+    replaces the record, and is what runs that start from it start from. Unlike `rerun_lost`,
+    a named run whose directory is gone counts as finished. Names not in `runs` are ignored,
+    so that one `--take_runs` serves an experiment's successive grids (a name mistyped leaves
+    the record, and the error, as they were).
   pin_cpus: split the CPUs this process may use into `parallel` equal slots, each running
     command bound to one (`sched_setaffinity`); with one CPU per slot, XLA runs single-threaded
     (XLA_FLAGS). On a 2-core CPU two pinned Multi30k trainings make 0.64 steps/s together
@@ -212,7 +232,7 @@ def run_grid(
       tail_lines=tail_lines,
       stop_timeout_s=stop_timeout_s,
   )
-  grid.run(refresh=refresh, rerun_lost=rerun_lost)
+  grid.run(refresh=refresh, rerun_lost=rerun_lost, take_runs=take_runs)
   if grid.failed and exit_on_failure:
     raise SystemExit(
         f'grid: {len(grid.failed)} of {len(runs)} runs failed: '
@@ -275,12 +295,18 @@ class _Grid:
   def rundir(self, run: Run) -> pathlib.Path:
     return self.runs_dir / run.name
 
-  def run(self, refresh: bool, rerun_lost: bool | Collection[str] = False) -> None:
+  def run(
+      self,
+      refresh: bool,
+      rerun_lost: bool | Collection[str] = False,
+      take_runs: Collection[str] = (),
+  ) -> None:
     again = set() if isinstance(rerun_lost, bool) else set(rerun_lost)
     unknown = sorted(again - {run.name for run in self.runs})
     if unknown:
       raise ValueError(f'grid: rerun_lost names runs that are not in the grid: {unknown}')
-    conflicts, replaced = [], []
+    take = set(take_runs)
+    conflicts, replaced = [], {}
     for run in self.runs:
       entry = files.read_json(self.rundir(run) / DONE_FILE)
       if entry is None:
@@ -311,14 +337,18 @@ class _Grid:
         )
       record = self.recorded.get(run.name)
       if record is not None and _another_run(record, entry):
-        if rerun_lost is True or run.name in again:
+        if rerun_lost is True or run.name in again or run.name in take:
           _say(
-              f'grid: {run.name} ran again (rerun_lost) since the record in '
-              f'{self.results_path.name}, finished {record["finished"]}: the rerun, finished '
-              f'{entry["finished"]}, replaces it'
+              f'grid: {run.name} ran again since the record in {self.results_path.name}, '
+              f'finished {record["finished"]}{_on(record)}: the run in its directory, finished '
+              f'{entry["finished"]}{_on(entry)}, replaces it'
+              + (' (take_runs)' if run.name in take else ' (rerun_lost)')
           )
+          # Another experiment sharing the runs directory may have made it: this grid's
+          # description of the run (its config) goes with the command both ran.
+          entry = {**entry, 'config': dict(run.config)}
         else:
-          replaced.append(
+          replaced[run.name] = (
               f'{run.name}: {self.results_path.name} records the run that finished '
               f'{record["finished"]}{_on(record)}, its directory holds one that finished '
               f'{entry["finished"]}{_on(entry)}'
@@ -328,10 +358,11 @@ class _Grid:
       raise ValueError(
           f'grid: {len(replaced)} run directories in {self.runs_dir} hold other runs of the '
           'command than the ones results.json records (e.g. the run was lost and made again '
-          'elsewhere):\n' + '\n'.join(replaced) + '\nTo keep the records, move those '
+          'elsewhere):\n' + '\n'.join(replaced.values()) + '\nTo keep the records, move those '
           'directories away (or delete their DONE files to run them again); to take the '
-          "directories' runs, name them in rerun_lost (or delete their entries from "
-          f'{self.results_path}).'
+          "directories' runs, name them in take_runs (an experiment script's --take_runs="
+          f"{','.join(replaced)}; or delete their "
+          f'entries from {self.results_path}).'
       )
     if conflicts:  # another run under this name: its results are not this grid's
       raise ValueError(

@@ -52,15 +52,21 @@ def thin_train(lines: Sequence[Mapping[str, Any]], keep: int = TRAIN_LINES) -> l
 
 
 def thin_entry(entry: Mapping[str, Any]) -> Mapping[str, Any]:
-  """A results.json entry as results.json keeps it: its train lines thinned (`thin_train`)."""
-  return {**entry, 'metrics': thin_train(entry['metrics'])} if 'metrics' in entry else entry
+  """A results.json entry as results.json keeps it: its train lines thinned (`thin_train`)
+  and without `full_config`, the resolved config `read_run` gives the collectors (2-3 KB a
+  run; it stays in the run directory's config.json and DONE, and the entry's `command` at its
+  `code` commit resolves it again)."""
+  thin = {key: value for key, value in entry.items() if key != 'full_config'}
+  return {**thin, 'metrics': thin_train(entry['metrics'])} if 'metrics' in entry else thin
 
 
 def read_run(rundir: str | os.PathLike) -> dict[str, Any]:
   """The default collector: metrics.jsonl (without the hparams line), result.json, config.json.
 
   `metrics`: the lines of `read_metrics`, train lines thinned (`thin_train`); `result`: the
-  run's own `result.json` ({} if none); `full_config`: the resolved config our training CLI writes (omitted if absent).
+  run's own `result.json` ({} if none); `full_config`: the resolved config our training CLI
+  writes (omitted if absent), for collectors that need it; results.json leaves it out
+  (`thin_entry`).
   """
   rundir = pathlib.Path(rundir)
   out = {

@@ -350,7 +350,13 @@ def test_the_grids_run_again_the_needed_runs_of_their_own(tmp_path, monkeypatch,
 
   monkeypatch.setattr(runner, 'run_grid', run_grid)
   args = argparse.Namespace(
-      out=tmp_path, runs_dir=tmp_path, parallel=1, refresh=False, pin_cpus=False, plot_only=False
+      out=tmp_path,
+      runs_dir=tmp_path,
+      parallel=1,
+      refresh=False,
+      pin_cpus=False,
+      take_runs=[],
+      plot_only=False,
   )
   runs = [runner.Run('mrpc-original-s0', ['true'])]
   module.grid(runs, args, {'mrpc-original-s0', 'mrpc-analyse-s0'})

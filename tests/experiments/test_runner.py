@@ -729,6 +729,37 @@ def test_results_json_keeps_few_train_lines_and_old_full_entries_still_count(tmp
   assert again['runs'] == results['runs'] and not runs_dir.joinpath('a', 'metrics.jsonl').exists()
 
 
+def test_results_json_leaves_out_the_resolved_config_the_collectors_read(tmp_path):
+  """`full_config` (the run's config.json) reaches a collector and the run's DONE, not
+  results.json; `compact` drops it from a file written before, which still counts its runs."""
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  write = py(
+      'import json, pathlib, sys; d = pathlib.Path(sys.argv[1]); '
+      "(d / 'config.json').write_text(json.dumps({'eval_every_steps': 7, 'lr': 0.1}))",
+      '{rundir}',
+  )
+
+  def collect(rundir):
+    out = runner.read_run(rundir)
+    return {**out, 'every': out['full_config']['eval_every_steps']}  # as the bottleneck's do
+
+  run = runner.Run('a', write, collect=collect)
+  entry = runner.run_grid([run], out, runs_dir=runs_dir)['runs'][0]
+  assert entry['every'] == 7 and 'full_config' not in entry
+  assert 'full_config' not in runner.load_results(out)['runs'][0]
+  done = json.loads((runs_dir / 'a' / 'DONE').read_text())
+  assert done['full_config'] == {'eval_every_steps': 7, 'lr': 0.1}
+
+  old = runner.load_results(out)
+  old['runs'][0]['full_config'] = done['full_config']  # as results.json kept it before
+  (out / 'results.json').write_text(json.dumps(old))
+  runner.compact(out)
+  assert runner.load_results(out)['runs'][0] == entry
+  shutil.rmtree(runs_dir)
+  assert runner.run_grid([run], out, runs_dir=runs_dir)['runs'][0] == entry
+  assert not (runs_dir / 'a' / 'DONE').exists()
+
+
 def test_compact_command_refuses_a_file_that_is_not_a_grids_and_does_the_others(tmp_path):
   other = tmp_path / 'other' / 'results.json'
   other.parent.mkdir()
@@ -774,3 +805,32 @@ def test_a_directory_holding_another_run_than_the_record_stops_the_grid(tmp_path
   # Named in rerun_lost, the directory's run is taken, without running it a third time.
   taken = runner.run_grid(runs, out, runs_dir=runs_dir, rerun_lost=['a'])
   assert taken['runs'][0]['finished'] == second['runs'][0]['finished'] and mark.read_text() == 'xx'
+
+
+def test_take_runs_takes_a_run_another_experiment_made_again_under_this_grids_config(tmp_path):
+  """Two experiments share a runs directory and a run (same name, same command): the second
+  ran it again after the first recorded it. `--take_runs` lets the first take the directory's
+  run, described by its own config, without running it again; the error names the flag."""
+  runs_dir, mark = tmp_path / 'runs', tmp_path / 'a.count'
+  first, second = tmp_path / 'first', tmp_path / 'second'
+  runs = [runner.Run('a', count(mark), config={'by': 'first'}), runner.Run('b', count(mark))]
+  runner.run_grid(runs, first, runs_dir=runs_dir)
+  recorded = runner.load_results(first)['runs'][0]
+  (runs_dir / 'a' / 'DONE').unlink()
+  time.sleep(1.1)  # finish times have whole seconds
+  again = runner.run_grid(
+      [runner.Run('a', count(mark), config={'by': 'second'})], second, runs_dir=runs_dir
+  )['runs'][0]
+  assert mark.read_text() == 'xxx' and again['finished'] != recorded['finished']
+
+  with pytest.raises(ValueError, match='records the run that finished') as raised:
+    runner.run_grid(runs, first, runs_dir=runs_dir)
+  assert '--take_runs=a;' in str(raised.value)
+
+  flags = runner.arg_parser(None, 'first').parse_args(['--take_runs=a,not-in-this-grid'])
+  taken = runner.run_grid(runs, first, runs_dir=runs_dir, **runner.grid_options(flags))
+  assert mark.read_text() == 'xxx'  # nothing ran again
+  a, b = taken['runs']
+  assert a['finished'] == again['finished'] and a['metrics'] == again['metrics']
+  assert a['config'] == {'by': 'first'} and b['name'] == 'b'
+  assert runner.load_results(first)['runs'][0] == a
