@@ -341,28 +341,53 @@ def points(results) -> list[dict]:
   return rows
 
 
-def roles_table(results, runs_dir: pathlib.Path, lambdas) -> str:
-  """Encoder heads of the baseline: importance, confidence, roles, and which L0 runs keep them."""
+ROLES_KEPT = 'roles-base.json'  # the baseline's roles.json, kept in the experiment folder
+
+
+def keep_roles(runs_dir: pathlib.Path, out: pathlib.Path) -> None:
+  """The role runs' heat maps, and the baseline's roles.json that `roles_table` reads, copied
+  into the experiment folder, where they outlive the run directories."""
+  for role_run in ('roles-base', 'roles-minilm'):
+    for png in sorted((runs_dir / role_run).glob('roles_*.png')):
+      shutil.copy(png, out / f'{role_run}_{png.name.removeprefix("roles_")}')
+  if (runs_dir / 'roles-base' / 'roles.json').exists():
+    shutil.copy(runs_dir / 'roles-base' / 'roles.json', out / ROLES_KEPT)
+
+
+def roles_table(results, runs_dir: pathlib.Path, lambdas, out: pathlib.Path) -> str:
+  """Encoder heads of the baseline: importance, confidence, roles, and which L0 runs keep them.
+
+  Roles come from the `roles-base` run's roles.json, or from the copy the report keeps in
+  `out` (`ROLES_KEPT`) once that run directory is gone; without either the table has no roles
+  column and says so, rather than leaving the committed importances and L0 path unreported."""
   by_name = {r['name']: r for r in results['runs']}
   analysed = (by_name.get('analyse') or {}).get('result')
-  roles_path = runs_dir / 'roles-base' / 'roles.json'
-  if not analysed or not roles_path.exists():
+  if not analysed:
     return 'Not run yet.'
-  roles = {(e['layer'], e['head']): e for e in json.loads(roles_path.read_text())}
+  roles_path = runs_dir / 'roles-base' / 'roles.json'
+  if not roles_path.exists():
+    roles_path = out / ROLES_KEPT
+  shape = np.shape(analysed['importance_normalized']['encoder'])
+  heads = [(layer, head) for layer in range(shape[0]) for head in range(shape[1])]
+  roles = (
+      {(e['layer'], e['head']): e['roles'] for e in json.loads(roles_path.read_text())}
+      if roles_path.exists()
+      else None
+  )
   kept = {}
   for lam in lambdas:
     entry = by_name.get(f'l0-enc-{lam:g}-eval')
     if entry and entry.get('result'):
       kept[lam] = entry['result']['keep']['encoder']
   rows = []
-  for (layer, head), e in sorted(roles.items()):
+  for layer, head in heads:
     alive = [lam for lam in kept if kept[lam][layer][head]]
     rows.append(
         {
             'head': f'{layer}.{head}',
             'importance': analysed['importance_normalized']['encoder'][layer][head],
             'confidence': analysed['confidence']['encoder'][layer][head],
-            'roles': ', '.join(e['roles']) or '-',
+            'roles': ', '.join(roles[layer, head]) or '-' if roles is not None else None,
             'survives up to lambda': max(alive) if alive else '-',
             **{f'λ={lam:g}': '✓' if kept[lam][layer][head] else '·' for lam in kept},
         }
@@ -373,10 +398,15 @@ def roles_table(results, runs_dir: pathlib.Path, lambdas) -> str:
           -r['importance'],
       )
   )
-  columns = ['head', 'importance', 'confidence', 'roles'] + [
-      c for c in rows[0] if c.startswith('λ=')
-  ]
-  return runner.markdown_table(rows, columns, floatfmt='.3f')
+  columns = ['head', 'importance', 'confidence'] + ['roles'] * (roles is not None)
+  columns += [c for c in rows[0] if c.startswith('λ=')]
+  table = runner.markdown_table(rows, columns, floatfmt='.3f')
+  if roles is None:
+    table += (
+        '\nRoles: the `roles-base` run directory is gone and the report kept no copy of its'
+        f' roles.json (`{ROLES_KEPT}`), so this table has none.\n'
+    )
+  return table
 
 
 def report(results, runs_dir: pathlib.Path, out: pathlib.Path, s: Settings) -> None:
@@ -421,9 +451,7 @@ def report(results, runs_dir: pathlib.Path, out: pathlib.Path, s: Settings) -> N
       ],
       floatfmt='.2f',
   )
-  for role_run in ('roles-base', 'roles-minilm'):  # heat maps into the experiment folder
-    for png in sorted((runs_dir / role_run).glob('roles_*.png')):
-      shutil.copy(png, out / f'{role_run}_{png.name.removeprefix("roles_")}')
+  keep_roles(runs_dir, out)
   text = '\n'.join(
       [
           runner.runs_summary(results),
@@ -435,7 +463,7 @@ def report(results, runs_dir: pathlib.Path, out: pathlib.Path, s: Settings) -> N
           '',
           '### Encoder heads of the baseline and the L0 path',
           '',
-          roles_table(results, runs_dir, s.lambdas['enc']),
+          roles_table(results, runs_dir, s.lambdas['enc'], out),
           '',
           '### Role maps',
           '',

@@ -421,3 +421,39 @@ def test_plot_only_reads_the_baseline_row_from_base_when_it_is_there(
   args = type('Args', (), {'plot_only': True, 'smoke': False, 'base': str(base)})()
   run.voita_main(args, run.Settings(smoke=False), tmp_path / 'runs')
   assert seen['base'] == (base.resolve() if has_run else None)
+
+
+def test_the_encoder_heads_table_reads_the_kept_roles_once_the_run_directory_is_gone(tmp_path):
+  """`--plot_only` on a machine without the `roles-base` run directory: the table of the
+  committed importances and L0 path stays, with the roles from the copy in the experiment
+  folder, or without a roles column (and a word why) where there is none."""
+  importance = [[0.1, 0.4], [0.3, 0.2]]  # 2 layers x 2 heads: head 0.1 most important
+  results = {
+      'runs': [
+          {
+              'name': 'analyse',
+              'result': {
+                  'importance_normalized': {'encoder': importance},
+                  'confidence': {'encoder': [[0.5, 0.6], [0.7, 0.8]]},
+              },
+          },
+          {'name': 'l0-enc-0.1-eval', 'result': {'keep': {'encoder': [[0, 1], [1, 0]]}}},
+      ]
+  }
+  runs_dir, out = tmp_path / 'runs', tmp_path / 'out'
+  out.mkdir()
+  without = run.roles_table(results, runs_dir, [0.1], out)
+  assert 'roles' not in without.splitlines()[0] and 'roles.json' in without
+  rows = [line.split('|')[1].strip() for line in without.splitlines()[2:6]]
+  assert rows == ['0.1', '1.0', '1.1', '0.0']  # kept by L0 first, then by importance
+  assert '| 0.1 | 0.400 | 0.600 | ✓ |' in without
+
+  roles = [{'layer': layer, 'head': head, 'roles': []} for layer in (0, 1) for head in (0, 1)]
+  roles[1]['roles'] = ['positional (prev)']
+  (runs_dir / 'roles-base').mkdir(parents=True)
+  (runs_dir / 'roles-base' / 'roles.json').write_text(json.dumps(roles))
+  run.keep_roles(runs_dir, out)  # as the report does
+  (runs_dir / 'roles-base' / 'roles.json').unlink()  # gone: the copy the report kept serves
+  kept = run.roles_table(results, runs_dir, [0.1], out)
+  assert '| 0.1 | 0.400 | 0.600 | positional (prev) | ✓ |' in kept
+  assert '| 1.1 | 0.200 | 0.800 | - | · |' in kept
