@@ -354,19 +354,17 @@ def keep_roles(runs_dir: pathlib.Path, out: pathlib.Path) -> None:
     shutil.copy(runs_dir / 'roles-base' / 'roles.json', out / ROLES_KEPT)
 
 
-def roles_table(results, runs_dir: pathlib.Path, lambdas, out: pathlib.Path) -> str:
+def roles_table(results, lambdas, out: pathlib.Path) -> str:
   """Encoder heads of the baseline: importance, confidence, roles, and which L0 runs keep them.
 
-  Roles come from the `roles-base` run's roles.json, or from the copy the report keeps in
-  `out` (`ROLES_KEPT`) once that run directory is gone; without either the table has no roles
-  column and says so, rather than leaving the committed importances and L0 path unreported."""
+  Roles come from the copy of the `roles-base` run's roles.json in `out` (`ROLES_KEPT`, made
+  by `keep_roles`, so it outlives the run directory); without it the table has no roles column
+  and says so, rather than leaving the committed importances and L0 path unreported."""
   by_name = {r['name']: r for r in results['runs']}
   analysed = (by_name.get('analyse') or {}).get('result')
   if not analysed:
     return 'Not run yet.'
-  roles_path = runs_dir / 'roles-base' / 'roles.json'
-  if not roles_path.exists():
-    roles_path = out / ROLES_KEPT
+  roles_path = out / ROLES_KEPT
   shape = np.shape(analysed['importance_normalized']['encoder'])
   heads = [(layer, head) for layer in range(shape[0]) for head in range(shape[1])]
   roles = (
@@ -463,7 +461,7 @@ def report(results, runs_dir: pathlib.Path, out: pathlib.Path, s: Settings) -> N
           '',
           '### Encoder heads of the baseline and the L0 path',
           '',
-          roles_table(results, runs_dir, s.lambdas['enc'], out),
+          roles_table(results, s.lambdas['enc'], out),
           '',
           '### Role maps',
           '',

@@ -442,7 +442,7 @@ def test_the_encoder_heads_table_reads_the_kept_roles_once_the_run_directory_is_
   }
   runs_dir, out = tmp_path / 'runs', tmp_path / 'out'
   out.mkdir()
-  without = run.roles_table(results, runs_dir, [0.1], out)
+  without = run.roles_table(results, [0.1], out)
   assert 'roles' not in without.splitlines()[0] and 'roles.json' in without
   rows = [line.split('|')[1].strip() for line in without.splitlines()[2:6]]
   assert rows == ['0.1', '1.0', '1.1', '0.0']  # kept by L0 first, then by importance
@@ -454,6 +454,6 @@ def test_the_encoder_heads_table_reads_the_kept_roles_once_the_run_directory_is_
   (runs_dir / 'roles-base' / 'roles.json').write_text(json.dumps(roles))
   run.keep_roles(runs_dir, out)  # as the report does
   (runs_dir / 'roles-base' / 'roles.json').unlink()  # gone: the copy the report kept serves
-  kept = run.roles_table(results, runs_dir, [0.1], out)
+  kept = run.roles_table(results, [0.1], out)
   assert '| 0.1 | 0.400 | 0.600 | positional (prev) | ✓ |' in kept
   assert '| 1.1 | 0.200 | 0.800 | - | · |' in kept
