@@ -20,10 +20,13 @@ final evaluation; table in the README. Resumable: rerun the same command.
 Seeds and intervals (issue 24): `--seeds=0,1,2` fine-tunes every model (the control too) once
 per seed (the training seed: data order and dropout; the conversion is seedless); the run of
 the source's own seed keeps the plain name `<model>-ft`, the others are `<model>-ft-s<seed>`.
-Each finished run's translations are kept in `<name>/translations/`, and every model's BLEU
-minus the original's, before fine-tuning and after (against the control, on the seeds both
-have, seeds averaged on each resample), gets a 95% paired bootstrap interval over sentences
-(`experiments.stats.bleu_difference`), written to `<name>/intervals.json` and the README.
+Each conversion's relative errors (per attention layer, by model name) are kept in
+`<name>/conversions.json`, so that `--plot_only` redraws the table from committed files alone
+(no source run, no conversion). Each finished run's translations are kept in
+`<name>/translations/`, and every model's BLEU minus the original's, before fine-tuning and
+after (against the control, on the seeds both have, seeds averaged on each resample), gets a
+95% paired bootstrap interval over sentences (`experiments.stats.bleu_difference`), written to
+`<name>/intervals.json` and the README.
 `--name` picks the output folder and README section (default `nmt`); `--methods` a subset.
 
     python -m experiments.collaborative.reparametrize_nmt --name=nmt_seeds --key_dims=64,32 \
@@ -101,8 +104,16 @@ def convert(model, method: str, key_dim: int, types):
   return to_collaborative(model, key_dim, types, rescale_logits=method == 'collaborative_rescaled')
 
 
+CONVERSIONS = 'conversions.json'
+
+
 def main():
   args = arguments()
+  if args.plot_only:  # from the committed files: no source run, no conversion
+    results = runner.load_results(args.out)
+    # A grid stopped before its end has run directories to keep translations from.
+    from_scratch.keep_translations(results, args.out / 'translations')
+    return report(results, runner.files.read_json(args.out / CONVERSIONS) or {}, args)
   source = RunDir(args.source)
   source_config, source_model = source.config, source.model()
   data = source.data_overrides()
@@ -168,11 +179,11 @@ def main():
       )
       frozen = {'trainable': '^(?!.*mixing)'} if method == 'per_head_svd' else {}
       runs += finetunes(name, {**fields, **tune, **frozen}, method=method, key_dim=key_dim)
-  if args.plot_only:
-    results = runner.load_results(args.out)
-  else:
-    results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, **runner.grid_options(args))
-  # Also with --plot_only: a grid stopped before its end has run directories to keep from.
+  # Kept beside results.json, so that --plot_only needs neither the source nor the conversions.
+  kept = runner.files.read_json(args.out / CONVERSIONS) or {}
+  args.out.mkdir(parents=True, exist_ok=True)
+  runner.files.write_json(args.out / CONVERSIONS, {**kept, **errors})
+  results = runner.run_grid(runs, args.out, runs_dir=args.runs_dir, **runner.grid_options(args))
   from_scratch.keep_translations(results, args.out / 'translations')
   report(results, errors, args)
 
@@ -323,7 +334,9 @@ def report(results, errors, args) -> None:
                 + args.name
                 + '/intervals.json`):',
                 '',
-                diff_table if differences else 'No run with kept translations yet.',
+                diff_table
+                if differences
+                else f'None: no run has its translations kept in `{args.name}/translations/`.',
             ]
         ),
     )
