@@ -419,8 +419,9 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
   """Mean dev score per task over seeds for each (method, D~k), their average, and B - A of
   the average against the control with its paired bootstrap interval (`experiments.stats`);
   then B - A of each task alone, with its interval (rows of a slice without every task too).
-  A row is paired with the control's runs of its own seeds, task by task (a seed still
-  running on some rows is left out of their comparison, not compared with another seed).
+  A row is paired with the control on the seeds both have, task by task (a seed still
+  running on some rows, the control's or the row's, is left out of their comparison, not
+  compared with another seed; the cells are each row's own mean).
   Each other method's row is also set against CP's at its D~k, on the seeds both have
   (`reference_differences` per task, `reference_difference` over the tasks)."""
   from experiments import stats  # pylint: disable=g-import-not-at-top  (imports JAX)
@@ -469,10 +470,12 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
     entry['error_runs'] = [len(errs), len(names)]
     if (method, key_dim) != control:
       paired = {}
-      for task in tasks:  # against the control's runs of the row's own seeds
-        seeds = set(entry['task_seeds'][task])
+      for task in tasks:  # against the control's runs of the same seeds: those both have
+        seeds = set(entry['task_seeds'][task]) & {
+            r['seed'] for r in groups[control] if r['task'] == task
+        }
         a, labels = predictions([r for r in groups[control] if r['seed'] in seeds], task)
-        b, _ = predictions(group, task)
+        b, _ = predictions([r for r in group if r['seed'] in seeds], task)
         if a and b:
           paired[task] = (labels, a, b)
       # Each task alone (a slice of the grid has rows before it has averages), then the average.

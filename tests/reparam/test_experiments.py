@@ -396,6 +396,14 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   alone = partial['task_differences']['stsb']['estimate']
   seed0 = scores['stsb-collaborative-96-st2-s0'] - scores['stsb-original-None-st2-s0']
   assert alone == pytest.approx(seed0, abs=1e-6)
+  # The other way round, a seed the control has not finished: the row's runs of that seed
+  # stay in its cell but out of its comparison.
+  ahead = [r for r in rows if r['name'] != 'stsb-original-None-st2-s1']
+  _, summary = glue_reparam.glue_table(ahead, predictions_dir, errors={})
+  row = {(e['method'], e['key_dim']): e for e in summary}['collaborative', 96]
+  assert row['stsb'] == pytest.approx(mean('collaborative', 96, 2, 'stsb'), abs=1e-9)
+  alone = row['task_differences']['stsb']['estimate']
+  assert alone == pytest.approx(seed0, abs=1e-6)
 
   # The conversions' error: the mean over the runs conversions.json records, and a row says
   # when that is only some of them.
