@@ -450,6 +450,19 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
       found.append(kept)
     return ([f['predictions'] for f in found], found[0]['labels']) if found else ([], None)
 
+  def pair_on_shared_seeds(theirs, ours):
+    """Task -> (labels, theirs' predictions, ours'), on the seeds both ran the task with: a
+    seed only one side has finished is left out, not compared with another seed."""
+    paired = {}
+    for task in tasks:
+      seeds = {r['seed'] for r in theirs if r['task'] == task}
+      seeds &= {r['seed'] for r in ours if r['task'] == task}
+      a, labels = predictions([r for r in theirs if r['seed'] in seeds], task)
+      b, _ = predictions([r for r in ours if r['seed'] in seeds], task)
+      if a and b:
+        paired[task] = (labels, a, b)
+    return paired
+
   summary = []
   for (method, key_dim), group in sorted(
       groups.items(), key=lambda kv: (kv[0][1] is not None, -(kv[0][1] or 0), kv[0][0])
@@ -469,15 +482,7 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
     entry['mean_error'] = float(np.mean(errs)) if errs else None
     entry['error_runs'] = [len(errs), len(names)]
     if (method, key_dim) != control:
-      paired = {}
-      for task in tasks:  # against the control's runs of the same seeds: those both have
-        seeds = set(entry['task_seeds'][task]) & {
-            r['seed'] for r in groups[control] if r['task'] == task
-        }
-        a, labels = predictions([r for r in groups[control] if r['seed'] in seeds], task)
-        b, _ = predictions([r for r in group if r['seed'] in seeds], task)
-        if a and b:
-          paired[task] = (labels, a, b)
+      paired = pair_on_shared_seeds(groups[control], group)
       # Each task alone (a slice of the grid has rows before it has averages), then the average.
       entry['task_differences'] = {
           task: stats.glue_difference({task: pair}).as_dict() for task, pair in paired.items()
@@ -489,15 +494,7 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
     reference = groups.get((REFERENCE, entry['key_dim']))
     if entry['method'] == REFERENCE or not reference:  # (no CP row has the originals' None)
       continue
-    paired = {}
-    for task in tasks:
-      seeds = set(entry['task_seeds'][task]) & {r['seed'] for r in reference if r['task'] == task}
-      a, labels = predictions([r for r in reference if r['seed'] in seeds], task)
-      b, _ = predictions(
-          [r for r in groups[entry['method'], entry['key_dim']] if r['seed'] in seeds], task
-      )
-      if a and b:
-        paired[task] = (labels, a, b)
+    paired = pair_on_shared_seeds(reference, groups[entry['method'], entry['key_dim']])
     entry['reference_differences'] = {
         task: stats.glue_difference({task: pair}).as_dict() for task, pair in paired.items()
     }
