@@ -27,6 +27,8 @@ the worktree.
 
 `python -m experiments.runner status RUNS_DIR` lists the state of each run directory;
 `python -m experiments.runner compact RESULTS...` thins a results.json written before that.
+`python -m experiments.runner merge SOURCE DEST` adds to an experiment folder the runs another
+copy of it (a worktree's, an accelerator call's) finished since the two parted.
 
 One module per concern, their public names all here (`from experiments import runner`):
 `grid` (Run, train_run, run_grid, status: the scheduler), `results` (reading metrics and
@@ -64,6 +66,7 @@ from experiments.runner.results import (
     history,
     holds_run,
     load_results,
+    merge,
     read_metrics,
     read_run,
     recorded,

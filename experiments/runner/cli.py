@@ -2,7 +2,10 @@
 `python -m experiments.runner compact RESULTS...`: thins the train lines of results.json files
 written before results.json kept at most `results.TRAIN_LINES` of them per run.
 `python -m experiments.runner manifest`: writes provenance.MANIFEST in this checkout, for a copy
-of it without .git (an accelerator machine's) to record the commit its runs ran."""
+of it without .git (an accelerator machine's) to record the commit its runs ran.
+`python -m experiments.runner merge SOURCE DEST [--take NAMES]`: adds to the experiment folder
+DEST the runs (and their kept files) another copy of it, SOURCE, finished since the two parted:
+a worktree's grid, an accelerator call's unpacked experiment.tar.gz (`results.merge`)."""
 
 import argparse
 from collections.abc import Sequence
@@ -11,7 +14,7 @@ import sys
 
 from experiments.runner.grid import status
 from experiments.runner.provenance import REPO_ROOT, write_manifest
-from experiments.runner.results import TRAIN_LINES, compact
+from experiments.runner.results import TRAIN_LINES, compact, merge
 from experiments.runner.report import markdown_table
 
 
@@ -33,7 +36,40 @@ def main(argv: Sequence[str] | None = None) -> None:
       'compact', help=f'keep at most {TRAIN_LINES} train lines per run in results.json files'
   )
   compact_parser.add_argument('results', nargs='+', help='results.json files or their folders')
+  merge_parser = commands.add_parser(
+      'merge', help='add the runs another copy of an experiment folder finished to this one'
+  )
+  merge_parser.add_argument('source', help="the other copy's experiment folder")
+  merge_parser.add_argument('dest', help='the experiment folder to add them to (this checkout)')
+  merge_parser.add_argument(
+      '--take',
+      default='',
+      help="comma-separated runs whose records in SOURCE replace DEST's (the run was lost "
+      'and made again there)',
+  )
   args = parser.parse_args(argv)
+  if args.command == 'merge':
+    if not (pathlib.Path(args.source) / 'results.json').exists():
+      sys.exit(f'merge: no results.json in {args.source}')
+    if not pathlib.Path(args.dest).is_dir():
+      sys.exit(f'merge: no such folder: {args.dest}')
+    try:
+      done = merge(args.source, args.dest, take=[n for n in args.take.split(',') if n])
+    except ValueError as e:
+      sys.exit(str(e))
+    for label, names in (
+        ('runs added', done.added),
+        ('records taken', done.taken),
+        ('files copied', done.copied),
+        ('JSON files given new keys', done.extended),
+    ):
+      print(f'{label} ({len(names)}): {", ".join(names) or "-"}')
+    if done.left:
+      print(
+          f'left as {args.dest} has them ({len(done.left)}, differing): {", ".join(done.left)}'
+          "\n(tables and plots: redraw them with the experiment's --plot_only)"
+      )
+    return
   if args.command == 'compact':  # every file it can; then exit 1 if it refused any
     refused = [path for path in args.results if not pathlib.Path(path).exists()]
     for path in refused:

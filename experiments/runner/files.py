@@ -70,6 +70,11 @@ def write_text(path: pathlib.Path, text: str) -> None:
   runs.write_atomic(path, text)
 
 
+def write_bytes(path: pathlib.Path, data: bytes) -> None:
+  """`write_text` for any file (a plot): whole or not at all."""
+  runs.write_atomic(path, data)
+
+
 def dumps(value: Any, indent: int = 0, width: int = 100) -> str:
   """Indented JSON with each short or flat object or list (a metrics line) on one line."""
   flat = json.dumps(value)

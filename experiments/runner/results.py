@@ -1,7 +1,8 @@
 """Reading a grid's results: a run's metrics, results.json, one row per run or per metrics
 line, aggregates over seeds, and the README line saying what ran where and for how long."""
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+import dataclasses
 import json
 import math
 import os
@@ -237,3 +238,103 @@ def _duration(seconds: float) -> str:
 
 def _hashable(value):
   return json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value
+
+
+@dataclasses.dataclass
+class Merged:
+  """What `merge` did, by run name and by path relative to the experiment folder."""
+
+  added: list[str] = dataclasses.field(default_factory=list)  # runs new to the destination
+  taken: list[str] = dataclasses.field(default_factory=list)  # records replaced (`take`)
+  copied: list[str] = dataclasses.field(default_factory=list)  # files new to it, or taken
+  extended: list[str] = dataclasses.field(default_factory=list)  # JSON objects given new keys
+  left: list[str] = dataclasses.field(default_factory=list)  # other files that differ
+
+
+def merge(source: str | os.PathLike, dest: str | os.PathLike, take: Collection[str] = ()) -> Merged:
+  """Adds to the experiment folder `dest` what another copy of it, `source`, holds and it does
+  not: the runs a worktree's grid or an accelerator call finished since the two parted.
+
+  results.json: a run `dest` does not record is added; one both record as the same run (the
+  same finish time) stays as `dest` has it; one both record as two runs (the run lost and made
+  again) is a conflict, unless `take` names it: then `source`'s record replaces it. Any
+  conflict stops the merge before anything is written.
+  The other files under `source` (e.g. a run's kept predictions): a file `dest` lacks is
+  copied, and so is one named after a taken run (`<name>.json`); a JSON object is given the
+  keys it lacks (a key both hold with other values leaves the file, unless the key is a taken
+  run's name); any other file that differs is left as `dest` has it and listed in `left`:
+  tables and plots, which the experiment's `--plot_only` redraws from the merged files.
+  results.json is written last, so a merge cut short is completed by running it again."""
+  source, dest = pathlib.Path(source), pathlib.Path(dest)
+  theirs = load_results(source)
+  ours = files.read_json(dest / RESULTS_FILE) or {'runs': []}
+  take = set(take)
+  recorded_there = {entry['name'] for entry in theirs['runs']}
+  if take - recorded_there:
+    raise ValueError(
+        f'merge: --take names runs {source / RESULTS_FILE} does not record: '
+        f'{sorted(take - recorded_there)}'
+    )
+  merged, out = dict((entry['name'], entry) for entry in ours['runs']), Merged()
+  conflicts = []
+  for entry in theirs['runs']:
+    name = entry['name']
+    if name not in merged:
+      merged[name] = entry
+      out.added.append(name)
+    elif _same_run(merged[name], entry):
+      continue
+    elif name in take:
+      merged[name] = entry
+      out.taken.append(name)
+    else:
+      conflicts.append(
+          f'{name}: {dest / RESULTS_FILE} records the run that finished '
+          f'{merged[name].get("finished")}, {source / RESULTS_FILE} one that finished '
+          f'{entry.get("finished")}'
+      )
+  if conflicts:
+    raise ValueError(
+        f'merge: {len(conflicts)} runs are recorded as other runs in the two folders:\n'
+        + '\n'.join(conflicts)
+        + "\nNothing was written. To take the source's records, name them in --take."
+    )
+  for path in sorted(p for p in source.rglob('*') if p.is_file()):
+    relative = path.relative_to(source)
+    if relative == pathlib.Path(RESULTS_FILE):
+      continue
+    target = dest / relative
+    if not target.exists() or (path.stem in take and path.read_bytes() != target.read_bytes()):
+      target.parent.mkdir(parents=True, exist_ok=True)
+      files.write_bytes(target, path.read_bytes())
+      out.copied.append(str(relative))
+      continue
+    if path.read_bytes() == target.read_bytes():
+      continue
+    extended = _extended(files.read_json(target), files.read_json(path), take)
+    if path.suffix == '.json' and extended is not None:
+      files.write_json(target, extended)
+      out.extended.append(str(relative))
+    else:
+      out.left.append(str(relative))
+  with files.results_lock(dest / RESULTS_FILE):
+    found = files.read_json(dest / RESULTS_FILE) or {}
+    files.write_json(dest / RESULTS_FILE, {**theirs, **found, 'runs': list(merged.values())})
+  return out
+
+
+def _same_run(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+  """Two records of one run: the same finish time (without one, the same thinned record)."""
+  if a.get('finished') is None or b.get('finished') is None:
+    return thin_entry(a) == thin_entry(b)
+  return a['finished'] == b['finished']
+
+
+def _extended(ours: Any, theirs: Any, take: Collection[str]) -> dict[str, Any] | None:
+  """`ours` with the keys of `theirs` it lacks (and taken runs' keys replaced), when both are
+  JSON objects that agree on every other key they share; else None."""
+  if not (isinstance(ours, dict) and isinstance(theirs, dict)):
+    return None
+  if any(key not in take and ours[key] != value for key, value in theirs.items() if key in ours):
+    return None
+  return {**ours, **theirs}

@@ -834,3 +834,105 @@ def test_take_runs_takes_a_run_another_experiment_made_again_under_this_grids_co
   assert a['finished'] == again['finished'] and a['metrics'] == again['metrics']
   assert a['config'] == {'by': 'first'} and b['name'] == 'b'
   assert runner.load_results(first)['runs'][0] == a
+
+
+def _experiment(folder, runs, extra_files):
+  """An experiment folder as a grid leaves it: results.json recording `runs` (name -> finish
+  time) and the files beside it."""
+  entries = [
+      {'name': name, 'finished': when, 'metrics': [{'split': 'eval', 'step': 1, 'loss': 1.0}]}
+      for name, when in runs.items()
+  ]
+  folder.mkdir(parents=True)
+  runner.files.write_json(folder / 'results.json', {'runs_dir': '/runs', 'runs': entries})
+  for relative, text in extra_files.items():
+    (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+    (folder / relative).write_text(text)
+
+
+def _merge(source, dest, *take):
+  return subprocess.run(
+      [sys.executable, '-m', 'experiments.runner', 'merge', str(source), str(dest)]
+      + ([f'--take={",".join(take)}'] if take else []),
+      cwd=REPO_ROOT,
+      capture_output=True,
+      text=True,
+  )
+
+
+def test_merge_adds_what_the_other_copy_finished_and_keeps_what_both_hold(tmp_path):
+  """A worktree's grid (the source) started from this checkout's results (the destination),
+  which meanwhile took another worktree's runs: the merge adds the source's new runs and
+  their files, keeps every record and file the destination holds, and runs again to no
+  effect."""
+  dest, source = tmp_path / 'main', tmp_path / 'worktree'
+  _experiment(
+      dest,
+      {'a': 'T1', 'b': 'T2', 'elsewhere': 'T3'},
+      {
+          'predictions/a.json': '[1]',
+          'conversions.json': '{"a": 0.1, "elsewhere": 0.3}',
+          'table.json': '{"rows": 3}',
+      },
+  )
+  _experiment(
+      source,
+      {'a': 'T1', 'b': 'T2', 'c': 'T4'},
+      {
+          'predictions/a.json': '[1]',
+          'predictions/c.json': '[3]',
+          'conversions.json': '{"a": 0.1, "c": 0.4}',
+          'table.json': '{"rows": 2}',
+      },
+  )
+  before = json.loads((dest / 'results.json').read_text())
+  before['runs'][0]['config'] = {'as': 'recorded here'}  # e.g. compacted here, not there
+  runner.files.write_json(dest / 'results.json', before)
+  done = _merge(source, dest)
+  assert done.returncode == 0, done.stderr
+  merged = json.loads((dest / 'results.json').read_text())
+  assert [e['name'] for e in merged['runs']] == ['a', 'b', 'elsewhere', 'c']
+  assert merged['runs'][:3] == before['runs']
+  assert (dest / 'predictions' / 'c.json').read_text() == '[3]'
+  conversions = json.loads((dest / 'conversions.json').read_text())
+  assert conversions == {'a': 0.1, 'elsewhere': 0.3, 'c': 0.4}
+  assert (dest / 'table.json').read_text() == '{"rows": 3}'  # a report: redrawn, not merged
+  assert 'runs added (1): c' in done.stdout and 'table.json' in done.stdout
+  snapshot = {p: p.read_bytes() for p in dest.rglob('*') if p.is_file()}
+  again = _merge(source, dest)
+  assert again.returncode == 0 and 'runs added (0)' in again.stdout
+  assert {p: p.read_bytes() for p in dest.rglob('*') if p.is_file()} == snapshot
+
+
+def test_merge_refuses_a_run_recorded_as_another_unless_taken(tmp_path):
+  """The source's run `a` was lost and made again (another finish time): without --take the
+  merge writes nothing and names the run; with it, the source's record and the files named
+  after the run replace the destination's."""
+  dest, source = tmp_path / 'main', tmp_path / 'worktree'
+  _experiment(
+      dest,
+      {'a': 'T1', 'b': 'T2'},
+      {'predictions/a.json': '[1]', 'conversions.json': '{"a": 0.1, "b": 0.2}'},
+  )
+  _experiment(
+      source,
+      {'a': 'T9', 'b': 'T2', 'c': 'T4'},
+      {
+          'predictions/a.json': '[9]',
+          'predictions/c.json': '[3]',
+          'conversions.json': '{"a": 0.9, "b": 0.2, "c": 0.4}',
+      },
+  )
+  snapshot = {p: p.read_bytes() for p in dest.rglob('*') if p.is_file()}
+  refused = _merge(source, dest)
+  assert refused.returncode == 1
+  assert 'a: ' in refused.stderr and 'T1' in refused.stderr and 'T9' in refused.stderr
+  assert {p: p.read_bytes() for p in dest.rglob('*') if p.is_file()} == snapshot
+  unknown = _merge(source, dest, 'nope')
+  assert unknown.returncode == 1 and "['nope']" in unknown.stderr
+  taken = _merge(source, dest, 'a')
+  assert taken.returncode == 0, taken.stderr
+  runs = {e['name']: e['finished'] for e in json.loads((dest / 'results.json').read_text())['runs']}
+  assert runs == {'a': 'T9', 'b': 'T2', 'c': 'T4'}
+  assert (dest / 'predictions' / 'a.json').read_text() == '[9]'
+  assert json.loads((dest / 'conversions.json').read_text()) == {'a': 0.9, 'b': 0.2, 'c': 0.4}
