@@ -311,8 +311,8 @@ def merge(source: str | os.PathLike, dest: str | os.PathLike, take: Collection[s
       continue
     if path.read_bytes() == target.read_bytes():
       continue
-    extended = _extended(files.read_json(target), files.read_json(path), take)
-    if path.suffix == '.json' and extended is not None:
+    extended = _extended(target, path, take) if path.suffix == '.json' else None
+    if extended is not None:
       files.write_json(target, extended)
       out.extended.append(str(relative))
     else:
@@ -330,9 +330,15 @@ def _same_run(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
   return a['finished'] == b['finished']
 
 
-def _extended(ours: Any, theirs: Any, take: Collection[str]) -> dict[str, Any] | None:
-  """`ours` with the keys of `theirs` it lacks (and taken runs' keys replaced), when both are
-  JSON objects that agree on every other key they share; else None."""
+def _extended(
+    ours: pathlib.Path, theirs: pathlib.Path, take: Collection[str]
+) -> dict[str, Any] | None:
+  """The JSON object in `ours` with the keys of the one in `theirs` it lacks (and taken runs'
+  keys replaced), when the two agree on every other key they share; else None."""
+  try:
+    ours, theirs = files.read_json(ours), files.read_json(theirs)
+  except ValueError:  # not JSON after all (UnicodeDecodeError is one)
+    return None
   if not (isinstance(ours, dict) and isinstance(theirs, dict)):
     return None
   if any(key not in take and ours[key] != value for key, value in theirs.items() if key in ours):

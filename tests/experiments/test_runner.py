@@ -875,6 +875,7 @@ def test_merge_adds_what_the_other_copy_finished_and_keeps_what_both_hold(tmp_pa
           'table.json': '{"rows": 3}',
       },
   )
+  (dest / 'plot.png').write_bytes(b'\x89PNG here')
   _experiment(
       source,
       {'a': 'T1', 'b': 'T2', 'c': 'T4'},
@@ -885,6 +886,9 @@ def test_merge_adds_what_the_other_copy_finished_and_keeps_what_both_hold(tmp_pa
           'table.json': '{"rows": 2}',
       },
   )
+  (source / 'plot.png').write_bytes(b'\x89PNG there')
+  (source / 'broken.json').write_text('{"cut short')
+  (dest / 'broken.json').write_text('{"cut')
   before = json.loads((dest / 'results.json').read_text())
   before['runs'][0]['config'] = {'as': 'recorded here'}  # e.g. compacted here, not there
   runner.files.write_json(dest / 'results.json', before)
@@ -897,7 +901,10 @@ def test_merge_adds_what_the_other_copy_finished_and_keeps_what_both_hold(tmp_pa
   conversions = json.loads((dest / 'conversions.json').read_text())
   assert conversions == {'a': 0.1, 'elsewhere': 0.3, 'c': 0.4}
   assert (dest / 'table.json').read_text() == '{"rows": 3}'  # a report: redrawn, not merged
-  assert 'runs added (1): c' in done.stdout and 'table.json' in done.stdout
+  assert (dest / 'plot.png').read_bytes() == b'\x89PNG here'
+  assert (dest / 'broken.json').read_text() == '{"cut'
+  assert 'runs added (1): c' in done.stdout
+  assert all(name in done.stdout for name in ('table.json', 'plot.png', 'broken.json'))
   snapshot = {p: p.read_bytes() for p in dest.rglob('*') if p.is_file()}
   again = _merge(source, dest)
   assert again.returncode == 0 and 'runs added (0)' in again.stdout
