@@ -26,7 +26,7 @@ from typing import Any
 from experiments.runner import files
 from experiments.runner.files import ATTEMPTS_FILE, DONE_FILE, LOCK_FILE, LOG_FILE, RESULTS_FILE
 from experiments.runner.provenance import REPO_ROOT, code_version, default_runs_dir, machine
-from experiments.runner.results import read_run, thin_entry
+from experiments.runner.results import another_run, read_run, thin_entry
 
 _NAME = re.compile(r'[A-Za-z0-9][A-Za-z0-9._=,+-]{0,199}')
 _ENTRY_KEYS = (
@@ -336,7 +336,7 @@ class _Grid:
             f'  this grid runs\n  {_quote(run.command)}'
         )
       record = self.recorded.get(run.name)
-      if record is not None and _another_run(record, entry):
+      if record is not None and another_run(record, entry):
         if rerun_lost is True or run.name in again or run.name in take:
           _say(
               f'grid: {run.name} ran again since the record in {self.results_path.name}, '
@@ -636,14 +636,6 @@ class _Grid:
       found = (files.read_json(self.results_path) or {}).get('runs', [])
       self.kept = [entry for entry in found if entry['name'] not in names]
       files.write_json(self.results_path, self.results())
-
-
-def _another_run(record: Mapping[str, Any], done: Mapping[str, Any]) -> bool:
-  """Whether results.json's `record` and a run directory's DONE entry are two runs: each
-  records when it finished (entries without the time are taken to be the same run)."""
-  return None not in (record.get('finished'), done.get('finished')) and (
-      record['finished'] != done['finished']
-  )
 
 
 def _on(entry: Mapping[str, Any]) -> str:

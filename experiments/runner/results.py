@@ -255,8 +255,8 @@ def merge(source: str | os.PathLike, dest: str | os.PathLike, take: Collection[s
   """Adds to the experiment folder `dest` what another copy of it, `source`, holds and it does
   not: the runs a worktree's grid or an accelerator call finished since the two parted.
 
-  results.json: a run `dest` does not record is added; one both record as the same run (the
-  same finish time) stays as `dest` has it; one both record as two runs (the run lost and made
+  results.json: a run `dest` does not record is added; one both record as the same run
+  (`another_run`: the same finish time) stays as `dest` has it; one both record as two runs (the run lost and made
   again) is a conflict, unless `take` names it: then `source`'s record replaces it. Any
   conflict stops the merge before anything is written.
   The other files under `source` (e.g. a run's kept predictions): a file `dest` lacks is
@@ -275,14 +275,14 @@ def merge(source: str | os.PathLike, dest: str | os.PathLike, take: Collection[s
         f'merge: --take names runs {source / RESULTS_FILE} does not record: '
         f'{sorted(take - recorded_there)}'
     )
-  merged, out = dict((entry['name'], entry) for entry in ours['runs']), Merged()
+  merged, out = {entry['name']: entry for entry in ours['runs']}, Merged()
   conflicts = []
   for entry in theirs['runs']:
     name = entry['name']
     if name not in merged:
       merged[name] = entry
       out.added.append(name)
-    elif _same_run(merged[name], entry):
+    elif not another_run(merged[name], entry):
       continue
     elif name in take:
       merged[name] = entry
@@ -303,13 +303,13 @@ def merge(source: str | os.PathLike, dest: str | os.PathLike, take: Collection[s
     relative = path.relative_to(source)
     if relative == pathlib.Path(RESULTS_FILE):
       continue
-    target = dest / relative
-    if not target.exists() or (path.stem in take and path.read_bytes() != target.read_bytes()):
-      target.parent.mkdir(parents=True, exist_ok=True)
-      files.write_bytes(target, path.read_bytes())
-      out.copied.append(str(relative))
+    target, data = dest / relative, path.read_bytes()
+    if target.exists() and data == target.read_bytes():
       continue
-    if path.read_bytes() == target.read_bytes():
+    if not target.exists() or path.stem in take:
+      target.parent.mkdir(parents=True, exist_ok=True)
+      files.write_bytes(target, data)
+      out.copied.append(str(relative))
       continue
     extended = _extended(target, path, take) if path.suffix == '.json' else None
     if extended is not None:
@@ -323,11 +323,13 @@ def merge(source: str | os.PathLike, dest: str | os.PathLike, take: Collection[s
   return out
 
 
-def _same_run(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-  """Two records of one run: the same finish time (without one, the same thinned record)."""
-  if a.get('finished') is None or b.get('finished') is None:
-    return thin_entry(a) == thin_entry(b)
-  return a['finished'] == b['finished']
+def another_run(record: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+  """Whether two records of a run name (results.json's, a DONE file's, another copy's
+  results.json's) are two runs: each records when it finished (records without the time are
+  taken to be the same run)."""
+  return None not in (record.get('finished'), other.get('finished')) and (
+      record['finished'] != other['finished']
+  )
 
 
 def _extended(
