@@ -256,9 +256,9 @@ def merge(source: str | os.PathLike, dest: str | os.PathLike, take: Collection[s
   not: the runs a worktree's grid or an accelerator call finished since the two parted.
 
   results.json: a run `dest` does not record is added; one both record as the same run
-  (`another_run`: the same finish time) stays as `dest` has it; one both record as two runs (the run lost and made
-  again) is a conflict, unless `take` names it: then `source`'s record replaces it. Any
-  conflict stops the merge before anything is written.
+  (`another_run`: the same finish time) stays as `dest` has it; one both record as two runs
+  (the run lost and made again) is a conflict, unless `take` names it: then `source`'s record
+  replaces it. Any conflict stops the merge before anything is written.
   The other files under `source` (e.g. a run's kept predictions): a file `dest` lacks is
   copied, and so is one named after a taken run (`<name>.json`); a JSON object is given the
   keys it lacks (a key both hold with other values leaves the file, unless the key is a taken
