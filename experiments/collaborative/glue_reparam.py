@@ -44,11 +44,11 @@ Each conversion's relative errors are kept in `glue/conversions.json` (by run na
 conversion).
 
 Cost, measured on the 2-core CPU with nothing beside it (sixteenth session): one fine-tune of
-MiniLM takes 8-9 minutes on RTE, 11 on MRPC (20 in the seventeenth session: the machine a
-session gets varies), 18 on STS-B, 17-19 on CoLA (eighteenth) and 85-100 on SST-2 (0.8 s a
-step), 1.5-2x that beside a test run; a conversion scored as converted 1-2 minutes. The full grid
-is ~23 fine-tunes per task and seed: a GPU job (`--parallel`). Runs are resumable (rerun the
-command) and results.json holds every finished run.
+MiniLM takes 8-9 minutes on RTE, 11 on MRPC (20 in the seventeenth session: the machine a session
+gets varies), 18 on STS-B (28-31 in the nineteenth), 17-19 on CoLA (eighteenth) and 85-100 on
+SST-2 (0.8 s a step), 1.5-2x that beside a test run; a conversion scored as converted 1-4 minutes.
+The full grid is ~23 fine-tunes per task and seed: a GPU job (`--parallel`). Runs are resumable
+(rerun the command) and results.json holds every finished run.
 """
 
 import dataclasses
