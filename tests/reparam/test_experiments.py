@@ -332,14 +332,14 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
 
   def score(task, p):
     y = labels[task]
-    if task == 'rte':
+    if task in ('rte', 'sst2'):
       return 100 * np.mean(p == y)
     pearson = np.corrcoef(p, y)[0, 1]
     return 100 * (pearson + np.corrcoef(ranks(p), ranks(y))[0, 1]) / 2
 
   def predict(task, noise):
     y = labels[task]
-    if task == 'rte':
+    if task in ('rte', 'sst2'):
       return np.where(rng.random(len(y)) < noise, 1 - y, y)
     return y + rng.normal(0, 5 * noise, len(y))
 
@@ -383,6 +383,38 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   partial = {(e['method'], e['key_dim']): e for e in summary}['collaborative', 96]
   assert partial['average'] is None and 'difference' not in partial
   assert set(partial['task_differences']) == {'rte'}
+  # A task outside the average (SST-2: one seed, at one width): its columns and differences
+  # stay, the averages and their differences leave it out, and the header says so.
+  labels['sst2'] = rng.integers(0, 2, 70)
+  outside = list(rows)
+  for method, key_dim, stage, noise in [*systems, ('per_head_svd', 96, 2, 0.25)]:
+    for task in ('rte', 'stsb', 'sst2') if method == 'per_head_svd' else ('sst2',):
+      for seed in (0,) if task == 'sst2' else (0, 1):
+        name = f'{task}-{method}-{key_dim}-st{stage}-s{seed}'
+        p = predict(task, noise)
+        scores[name] = score(task, p)
+        row = (name, task, method, key_dim, stage, seed, p, labels[task], scores[name])
+        outside.append(_glue_row(predictions_dir, *row))
+  table, summary = glue_reparam.glue_table(outside, predictions_dir, errors={})
+  by = {(e['method'], e['key_dim']): e for e in summary}
+  collaborative, svd = by['collaborative', 96], by['per_head_svd', 96]
+  assert collaborative['sst2'] == scores['sst2-collaborative-96-st2-s0']
+  assert collaborative['average'] == pytest.approx(
+      np.mean([mean('collaborative', 96, 2, t) for t in ('rte', 'stsb')]), abs=1e-9
+  )
+  expected = np.mean(
+      [mean('collaborative', 96, 2, t) - mean('original', None, 2, t) for t in ('rte', 'stsb')]
+  )
+  assert collaborative['difference']['estimate'] == pytest.approx(expected, abs=1e-6)
+  sst2 = scores['sst2-collaborative-96-st2-s0'] - scores['sst2-original-None-st2-s0']
+  assert collaborative['task_differences']['sst2']['estimate'] == pytest.approx(sst2, abs=1e-6)
+  expected = np.mean(
+      [mean('per_head_svd', 96, 2, t) - mean('collaborative', 96, 2, t) for t in ('rte', 'stsb')]
+  )
+  assert svd['reference_difference']['estimate'] == pytest.approx(expected, abs=1e-6)
+  assert set(svd['reference_differences']) == {'rte', 'stsb', 'sst2'}
+  assert '| rte | stsb | sst2 | average of rte/stsb | average of rte/stsb - original, fine' in table
+  del labels['sst2']
   # Tasks with different seeds (a seed that ran on some tasks only): each cell is the mean over
   # its own task's seeds, and the seeds column says which seeds each task's cells cover.
   uneven = [r for r in rows if r['name'] != 'stsb-collaborative-96-st2-s1']
@@ -435,7 +467,7 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
 def test_glue_table_compares_each_method_with_cp_at_its_width(tmp_path):
   """Per-head SVD and rescaled CP against CP at the same width, on the seeds both rows have:
   each task's estimate is the difference of mean accuracies (plain numpy) over those seeds, the
-  average is over the tasks, a width without a CP row gets no comparison, and CP itself none."""
+  average is over the small tasks (RTE; SST-2 stays outside it), a width without a CP row gets no comparison, and CP itself none."""
 
   from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
 
@@ -469,7 +501,7 @@ def test_glue_table_compares_each_method_with_cp_at_its_width(tmp_path):
     assert got['estimate'] == pytest.approx(value, abs=1e-6)
     assert got['low'] < value < got['high']
   average = svd['reference_difference']
-  assert average['estimate'] == pytest.approx(np.mean(list(expected.values())), abs=1e-6)
+  assert average['estimate'] == pytest.approx(expected['rte'], abs=1e-6)  # SST-2 outside it
   assert 'reference_differences' not in by['collaborative', 96]
   assert 'reference_differences' not in by['per_head_svd', 48]
   assert 'reference_differences' not in by['original, fine-tuned again', None]
@@ -709,3 +741,18 @@ def test_glue_width_plot_draws_each_difference_at_its_key_reduction(tmp_path):
   assert paper['average'][1.0] == pytest.approx(  # D~k = 768: the paper's exact conversion
       np.mean([65.3 - 63.2, (89.2 + 88.9) / 2 - 88.75])
   )
+
+
+def test_a_task_outside_the_average_is_left_out_of_the_papers_average_too(tmp_path):
+  """With SST-2 outside the average, the paper's BERT-base average (table and plot) is over
+  RTE alone, as ours is: 63.2 unconverted, 60.7 at 128 (Table 3, typed here; SST-2 91.7
+  unconverted), and the SST-2 columns stay."""
+  from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
+
+  table = glue_reparam.paper_table(['rte', 'sst2'], ['rte'])
+  header, _, base = table.splitlines()[:3]
+  assert [c.strip() for c in header.split('|')[1:-1]] == ['D~k', 'rte', 'sst2', 'average of rte']
+  assert [c.strip() for c in base.split('|')[1:-1]] == ['BERT-base', '63.20', '91.70', '63.20']
+  panels = glue_reparam.width_series([], ['rte', 'sst2'], ['rte'])
+  paper = panels['average']['BERT-base (paper, Table 3)']
+  assert dict(zip(paper['x'], paper['y']))[6.0] == pytest.approx(60.7 - 63.2)
