@@ -588,7 +588,12 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
                 )
                 for task in tasks
             ]
-            + [(f'{average} - {REFERENCE} [95%]', lambda e: interval(e.get('reference_difference')))],
+            + [
+                (
+                    f'{average} - {REFERENCE} [95%]',
+                    lambda e: interval(e.get('reference_difference')),
+                )
+            ],
         )
     )
   return text, summary

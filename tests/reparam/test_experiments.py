@@ -467,7 +467,8 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
 def test_glue_table_compares_each_method_with_cp_at_its_width(tmp_path):
   """Per-head SVD and rescaled CP against CP at the same width, on the seeds both rows have:
   each task's estimate is the difference of mean accuracies (plain numpy) over those seeds, the
-  average is over the small tasks (RTE; SST-2 stays outside it), a width without a CP row gets no comparison, and CP itself none."""
+  average is over the small tasks (RTE; SST-2 stays outside it), a width without a CP row gets
+  no comparison, and CP itself none."""
 
   from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
 
