@@ -510,7 +510,11 @@ def glue_table(rows, predictions_dir: pathlib.Path, errors) -> tuple[str, list[d
           {t: paired[t] for t in averaged}
       ).as_dict()
   # The floor: the best single answer for every dev example (a row at it has lost the task).
-  labels = {t: predictions(groups[control], t)[1] for t in tasks}
+  # The dev labels are any run's of the task (the control may not have run it yet).
+  labels = {t: None for t in tasks}
+  for group in groups.values():
+    for task in [t for t, found in labels.items() if found is None]:
+      labels[task] = predictions(group, task)[1]
   if all(v is not None for v in labels.values()):
     floor = {t: constant_score(t, labels[t]) for t in tasks}
     summary.append(

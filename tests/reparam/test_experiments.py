@@ -414,6 +414,12 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   assert svd['reference_difference']['estimate'] == pytest.approx(expected, abs=1e-6)
   assert set(svd['reference_differences']) == {'rte', 'stsb', 'sst2'}
   assert '| rte | stsb | sst2 | average of rte/stsb | average of rte/stsb - original, fine' in table
+  # The floor's SST-2 cell, while the control has not run SST-2 yet: from another row's labels.
+  ahead = [r for r in outside if r['name'] != 'sst2-original-None-st2-s0']
+  _, summary = glue_reparam.glue_table(ahead, predictions_dir, errors={})
+  floor = {(e['method'], e['key_dim']): e for e in summary}[glue_reparam.CONSTANT, None]
+  majority = 100 * max(np.mean(labels['sst2']), 1 - np.mean(labels['sst2']))
+  assert floor['sst2'] == pytest.approx(majority, abs=1e-9)
   del labels['sst2']
   # Tasks with different seeds (a seed that ran on some tasks only): each cell is the mean over
   # its own task's seeds, and the seeds column says which seeds each task's cells cover.
