@@ -346,15 +346,20 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   predictions_dir = tmp_path / 'predictions'
   predictions_dir.mkdir()
   rows, scores = [], {}
+
+  def run(task, method, key_dim, stage, seed, noise):
+    """A finished run's row, its predictions kept and its score noted in `scores`."""
+    name = f'{task}-{method}-{key_dim}-st{stage}-s{seed}'
+    p = predict(task, noise)
+    scores[name] = score(task, p)
+    row = (name, task, method, key_dim, stage, seed, p, labels[task], scores[name])
+    return _glue_row(predictions_dir, *row)
+
   systems = [('original', None, 1, 0.3), ('original', None, 2, 0.3), ('collaborative', 96, 2, 0.2)]
   for method, key_dim, stage, noise in systems:
     for task in labels:
       for seed in ((0,) if stage == 1 else (0, 1)):
-        name = f'{task}-{method}-{key_dim}-st{stage}-s{seed}'
-        p = predict(task, noise)
-        scores[name] = score(task, p)
-        row = (name, task, method, key_dim, stage, seed, p, labels[task], scores[name])
-        rows.append(_glue_row(predictions_dir, *row))
+        rows.append(run(task, method, key_dim, stage, seed, noise))
   _, summary = glue_reparam.glue_table(rows, predictions_dir, errors={})
   by = {(e['method'], e['key_dim']): e for e in summary}
   mean = lambda method, key_dim, stage, task: np.mean(
@@ -390,11 +395,7 @@ def test_glue_table_averages_tasks_and_bootstraps_against_the_control(tmp_path):
   for method, key_dim, stage, noise in [*systems, ('per_head_svd', 96, 2, 0.25)]:
     for task in ('rte', 'stsb', 'sst2') if method == 'per_head_svd' else ('sst2',):
       for seed in (0,) if task == 'sst2' else (0, 1):
-        name = f'{task}-{method}-{key_dim}-st{stage}-s{seed}'
-        p = predict(task, noise)
-        scores[name] = score(task, p)
-        row = (name, task, method, key_dim, stage, seed, p, labels[task], scores[name])
-        outside.append(_glue_row(predictions_dir, *row))
+        outside.append(run(task, method, key_dim, stage, seed, noise))
   table, summary = glue_reparam.glue_table(outside, predictions_dir, errors={})
   by = {(e['method'], e['key_dim']): e for e in summary}
   collaborative, svd = by['collaborative', 96], by['per_head_svd', 96]
