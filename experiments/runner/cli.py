@@ -47,6 +47,12 @@ def main(argv: Sequence[str] | None = None) -> None:
       help="comma-separated runs whose records in SOURCE replace DEST's (the run was lost "
       'and made again there)',
   )
+  merge_parser.add_argument(
+      '--keep',
+      default='',
+      help='comma-separated runs recorded as other runs in SOURCE whose records in DEST stay '
+      "(SOURCE's runs that start from its copy are added)",
+  )
   args = parser.parse_args(argv)
   if args.command == 'merge':
     if not (pathlib.Path(args.source) / 'results.json').exists():
@@ -54,12 +60,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not pathlib.Path(args.dest).is_dir():
       sys.exit(f'merge: no such folder: {args.dest}')
     try:
-      done = merge(args.source, args.dest, take=[n for n in args.take.split(',') if n])
+      done = merge(
+          args.source,
+          args.dest,
+          take=[n for n in args.take.split(',') if n],
+          keep=[n for n in args.keep.split(',') if n],
+      )
     except ValueError as e:
       sys.exit(str(e))
     for label, names in (
         ('runs added', done.added),
         ('records taken', done.taken),
+        ('records kept', done.kept),
         ('files copied', done.copied),
         ('JSON files given new keys', done.extended),
     ):

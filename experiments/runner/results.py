@@ -246,35 +246,47 @@ class Merged:
 
   added: list[str] = dataclasses.field(default_factory=list)  # runs new to the destination
   taken: list[str] = dataclasses.field(default_factory=list)  # records replaced (`take`)
+  kept: list[str] = dataclasses.field(default_factory=list)  # records kept (`keep`)
   copied: list[str] = dataclasses.field(default_factory=list)  # files new to it, or taken
   extended: list[str] = dataclasses.field(default_factory=list)  # JSON objects given new keys
   left: list[str] = dataclasses.field(default_factory=list)  # other files that differ
 
 
-def merge(source: str | os.PathLike, dest: str | os.PathLike, take: Collection[str] = ()) -> Merged:
+def merge(
+    source: str | os.PathLike,
+    dest: str | os.PathLike,
+    take: Collection[str] = (),
+    keep: Collection[str] = (),
+) -> Merged:
   """Adds to the experiment folder `dest` what another copy of it, `source`, holds and it does
   not: the runs a worktree's grid or an accelerator call finished since the two parted.
 
   results.json: a run `dest` does not record is added; one both record as the same run
   (`another_run`: the same finish time) stays as `dest` has it; one both record as two runs
   (the run lost and made again) is a conflict, unless `take` names it: then `source`'s record
-  replaces it. Any conflict stops the merge before anything is written.
+  replaces it; or `keep` does: then `dest`'s stays, with its files (the runs `source` finished
+  from its own copy of that run are still added). Any conflict stops the merge before
+  anything is written.
   The other files under `source` (e.g. a run's kept predictions): a file `dest` lacks is
-  copied, and so is one named after a taken run (`<name>.json`); a JSON object is given the
-  keys it lacks (a key both hold with other values leaves the file, unless the key is a taken
-  run's name); any other file that differs is left as `dest` has it and listed in `left`:
-  tables and plots, which the experiment's `--plot_only` redraws from the merged files.
+  copied, and so is one named after a taken run (`<name>.json`), and none named after a kept
+  run; a JSON object is given the keys it lacks (a key both hold with other values leaves the
+  file, unless the key is a taken run's name, or a kept run's: that keeps its value); any
+  other file that differs is left as `dest` has it and listed in `left`: tables and plots,
+  which the experiment's `--plot_only` redraws from the merged files.
   results.json is written last, so a merge cut short is completed by running it again."""
   source, dest = pathlib.Path(source), pathlib.Path(dest)
   theirs = load_results(source)
   ours = files.read_json(dest / RESULTS_FILE) or {'runs': []}
-  take = set(take)
+  take, keep = set(take), set(keep)
   recorded_there = {entry['name'] for entry in theirs['runs']}
-  if take - recorded_there:
-    raise ValueError(
-        f'merge: --take names runs {source / RESULTS_FILE} does not record: '
-        f'{sorted(take - recorded_there)}'
-    )
+  for flag, names in (('--take', take), ('--keep', keep)):
+    if names - recorded_there:
+      raise ValueError(
+          f'merge: {flag} names runs {source / RESULTS_FILE} does not record: '
+          f'{sorted(names - recorded_there)}'
+      )
+  if take & keep:
+    raise ValueError(f'merge: --take and --keep both name {sorted(take & keep)}')
   merged, out = {entry['name']: entry for entry in ours['runs']}, Merged()
   conflicts = []
   for entry in theirs['runs']:
@@ -287,6 +299,8 @@ def merge(source: str | os.PathLike, dest: str | os.PathLike, take: Collection[s
     elif name in take:
       merged[name] = entry
       out.taken.append(name)
+    elif name in keep:
+      out.kept.append(name)
     else:
       conflicts.append(
           f'{name}: {dest / RESULTS_FILE} records the run that finished '
@@ -297,21 +311,22 @@ def merge(source: str | os.PathLike, dest: str | os.PathLike, take: Collection[s
     raise ValueError(
         f'merge: {len(conflicts)} runs are recorded as other runs in the two folders:\n'
         + '\n'.join(conflicts)
-        + "\nNothing was written. To take the source's records, name them in --take."
+        + "\nNothing was written. To take the source's records, name them in --take; to keep "
+        "the destination's (and add the source's runs that start from its copy), in --keep."
     )
   for path in sorted(p for p in source.rglob('*') if p.is_file()):
     relative = path.relative_to(source)
     if relative == pathlib.Path(RESULTS_FILE):
       continue
     target, data = dest / relative, path.read_bytes()
-    if target.exists() and data == target.read_bytes():
+    if path.stem in keep or (target.exists() and data == target.read_bytes()):
       continue
     if not target.exists() or path.stem in take:
       target.parent.mkdir(parents=True, exist_ok=True)
       files.write_bytes(target, data)
       out.copied.append(str(relative))
       continue
-    extended = _extended(target, path, take) if path.suffix == '.json' else None
+    extended = _extended(target, path, take, keep) if path.suffix == '.json' else None
     if extended is not None:
       files.write_json(target, extended)
       out.extended.append(str(relative))
@@ -333,16 +348,17 @@ def another_run(record: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
 
 
 def _extended(
-    ours: pathlib.Path, theirs: pathlib.Path, take: Collection[str]
+    ours: pathlib.Path, theirs: pathlib.Path, take: Collection[str], keep: Collection[str]
 ) -> dict[str, Any] | None:
-  """The JSON object in `ours` with the keys of the one in `theirs` it lacks (and taken runs'
-  keys replaced), when the two agree on every other key they share; else None."""
+  """The JSON object in `ours` with the keys of the one in `theirs` it lacks (taken runs' keys
+  replaced, kept runs' left), when the two agree on every other key they share; else None."""
   try:
     ours, theirs = files.read_json(ours), files.read_json(theirs)
   except ValueError:  # not JSON after all (UnicodeDecodeError is one)
     return None
   if not (isinstance(ours, dict) and isinstance(theirs, dict)):
     return None
+  theirs = {key: value for key, value in theirs.items() if key not in keep}
   if any(key not in take and ours[key] != value for key, value in theirs.items() if key in ours):
     return None
   return {**ours, **theirs}

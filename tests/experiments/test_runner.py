@@ -850,10 +850,11 @@ def _experiment(folder, runs, extra_files):
     (folder / relative).write_text(text)
 
 
-def _merge(source, dest, *take):
+def _merge(source, dest, *take, keep=()):
   return subprocess.run(
       [sys.executable, '-m', 'experiments.runner', 'merge', str(source), str(dest)]
-      + ([f'--take={",".join(take)}'] if take else []),
+      + ([f'--take={",".join(take)}'] if take else [])
+      + ([f'--keep={",".join(keep)}'] if keep else []),
       cwd=REPO_ROOT,
       capture_output=True,
       text=True,
@@ -911,10 +912,9 @@ def test_merge_adds_what_the_other_copy_finished_and_keeps_what_both_hold(tmp_pa
   assert {p: p.read_bytes() for p in dest.rglob('*') if p.is_file()} == snapshot
 
 
-def test_merge_refuses_a_run_recorded_as_another_unless_taken(tmp_path):
-  """The source's run `a` was lost and made again (another finish time): without --take the
-  merge writes nothing and names the run; with it, the source's record and the files named
-  after the run replace the destination's."""
+def _a_made_again(tmp_path):
+  """This checkout's folder (`main`) and a worktree's whose grid made run `a` again (another
+  finish time) and then `c`; the worktree holds a file named after `a` that main lacks."""
   dest, source = tmp_path / 'main', tmp_path / 'worktree'
   _experiment(
       dest,
@@ -927,9 +927,18 @@ def test_merge_refuses_a_run_recorded_as_another_unless_taken(tmp_path):
       {
           'predictions/a.json': '[9]',
           'predictions/c.json': '[3]',
+          'roles/a.json': '{"of": "T9"}',
           'conversions.json': '{"a": 0.9, "b": 0.2, "c": 0.4}',
       },
   )
+  return dest, source
+
+
+def test_merge_refuses_a_run_recorded_as_another_unless_taken(tmp_path):
+  """The source's run `a` was lost and made again (another finish time): without --take the
+  merge writes nothing and names the run; with it, the source's record and the files named
+  after the run replace the destination's."""
+  dest, source = _a_made_again(tmp_path)
   snapshot = {p: p.read_bytes() for p in dest.rglob('*') if p.is_file()}
   refused = _merge(source, dest)
   assert refused.returncode == 1
@@ -942,4 +951,26 @@ def test_merge_refuses_a_run_recorded_as_another_unless_taken(tmp_path):
   runs = {e['name']: e['finished'] for e in json.loads((dest / 'results.json').read_text())['runs']}
   assert runs == {'a': 'T9', 'b': 'T2', 'c': 'T4'}
   assert (dest / 'predictions' / 'a.json').read_text() == '[9]'
+  assert (dest / 'roles' / 'a.json').read_text() == '{"of": "T9"}'
   assert json.loads((dest / 'conversions.json').read_text()) == {'a': 0.9, 'b': 0.2, 'c': 0.4}
+
+
+def test_merge_keeps_a_run_recorded_as_another_when_kept(tmp_path):
+  """The source's grid made the original `a` again (its own copy, which its new run `c`
+  starts from); the destination keeps its record of `a` for its other runs: with --keep the
+  merge adds `c` and its files, and leaves `a`'s record, files and keys as the destination has
+  them, even where it lacks a file the source holds for `a`."""
+  dest, source = _a_made_again(tmp_path)
+  both = _merge(source, dest, 'a', keep=['a'])
+  assert both.returncode == 1 and "both name ['a']" in both.stderr
+  unknown = _merge(source, dest, keep=['nope'])
+  assert unknown.returncode == 1 and '--keep names runs' in unknown.stderr
+  kept = _merge(source, dest, keep=['a'])
+  assert kept.returncode == 0, kept.stderr
+  assert 'records kept (1): a' in kept.stdout
+  runs = {e['name']: e['finished'] for e in json.loads((dest / 'results.json').read_text())['runs']}
+  assert runs == {'a': 'T1', 'b': 'T2', 'c': 'T4'}
+  assert (dest / 'predictions' / 'a.json').read_text() == '[1]'
+  assert (dest / 'predictions' / 'c.json').read_text() == '[3]'
+  assert not (dest / 'roles' / 'a.json').exists()
+  assert json.loads((dest / 'conversions.json').read_text()) == {'a': 0.1, 'b': 0.2, 'c': 0.4}
