@@ -63,6 +63,7 @@ optimizer).
 Report (written by the script): per task a table and `<task>.png` (dev score vs heads kept: L0,
 Michel with and without fine-tune, random mean with its min-max band), 95% paired bootstrap
 intervals over dev examples (`experiments.stats.glue_difference`) for the differences stated,
+each on the task seeds both rows have (a grid stopped midway has some rows on fewer seeds),
 and the roles question: for each lambda (and Michel level) the share of the heads with roles
 (`experiments.heads.roles` on UD English-EWT, --roles) among the survivors against their share
 among all 72. Files: `glue/results.json` (runner), `glue/pruning.json` (the in-process curves,
@@ -811,12 +812,15 @@ def _predictions(args, row):
 
 
 def _interval(task, a_rows, b_rows, args) -> dict | None:
-  """B - A of `task`'s score with its 95% paired bootstrap interval over dev examples; the
-  rows of each system (seeds) are averaged on each resample. None without predictions."""
+  """B - A of `task`'s score with its 95% paired bootstrap interval over dev examples, on the
+  task seeds both have (a grid still running has some rows on fewer seeds than others); the
+  rows of each system are averaged on each resample. None without predictions or a shared
+  seed."""
   from experiments import stats  # pylint: disable=g-import-not-at-top
 
-  a = [p for p in (_predictions(args, r) for r in a_rows) if p]
-  b = [p for p in (_predictions(args, r) for r in b_rows) if p]
+  shared = {r['seed'] for r in a_rows} & {r['seed'] for r in b_rows}
+  a = [p for p in (_predictions(args, r) for r in a_rows if r['seed'] in shared) if p]
+  b = [p for p in (_predictions(args, r) for r in b_rows if r['seed'] in shared) if p]
   if not a or not b:
     return None
   return stats.glue_difference({task: (a[0][1], [p for p, _ in a], [p for p, _ in b])}).as_dict()
@@ -941,6 +945,7 @@ def task_report(task, rows, roles, args):
         'min': min(scores),
         'max': max(scores),
         'n': len(group),
+        'seeds': sorted({r['seed'] for r in group}),
     }
     if against and group is not against:
       entry[f'minus_{against_label}'] = _interval(task, against, group, args)
@@ -1013,8 +1018,13 @@ def task_report(task, rows, roles, args):
           ('L0 − fine-tuned again [95%]', lambda e: interval(e.get('minus_again'))),
           ('L0 − Michel, nearest [95%]', lambda e: versus(e, 'Michel')),
           ('L0 − Michel+ft, nearest [95%]', lambda e: versus(e, 'Michel+ft')),
+          ('seeds', lambda e: ','.join(map(str, e['seeds']))),
           ('runs', 'n'),
       ],
+  )
+  table += (
+      "\n\nA score is the mean of its row's runs; a difference pairs the two rows on the task "
+      'seeds both have.'
   )
   if constant is not None:
     table += (

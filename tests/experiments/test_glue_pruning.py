@@ -505,6 +505,52 @@ def test_the_report_sets_random_order_against_michels_at_each_finetuned_level(tm
   assert f'{ft_mean - right("michel_ft"):+.2f}' in table
 
 
+def test_the_report_pairs_rows_on_the_task_seeds_both_have(tmp_path):
+  """A grid still running (a second task seed whose L0 runs have not finished): each row's
+  score is the mean of its own runs, but a difference sets the L0 run against the unpruned
+  model of its own seed only, not against the mean over seeds it lacks. Accuracy on 8 labels
+  by hand."""
+  import argparse  # pylint: disable=g-import-not-at-top
+
+  labels = [1, 1, 1, 1, 1, 0, 0, 0]
+  answers = {  # right on 4, 8, 6 and 7 of the 8
+      'unpruned_s0': [1, 1, 1, 1, 0, 1, 1, 1],
+      'unpruned_s1': [1, 1, 1, 1, 1, 0, 0, 0],
+      'again_s0': [1, 1, 1, 1, 1, 1, 0, 1],
+      'l0_s0': [1, 1, 1, 1, 1, 1, 0, 0],
+  }
+  _keep_predictions(tmp_path, answers, labels)
+  right = lambda name: 100 * np.mean(np.equal(answers[name], labels))
+  row = lambda name, method, seed, **extra: {
+      'task': 'sst2',
+      'seed': seed,
+      'score': right(name),
+      'method': method,
+      'source': (name, None),
+      **extra,
+  }
+  rows = [
+      row('unpruned_s0', 'unpruned', 0, heads_kept=72, level=0.0),
+      row('unpruned_s1', 'unpruned', 1, heads_kept=72, level=0.0),
+      row('again_s0', 'fine-tuned again', 0, heads_kept=72, level=0.0),
+      row('l0_s0', 'L0 gates', 0, heads_kept=40, keep=[[1] * 12] * 6, **{'lambda': 0.03}),
+  ]
+  args = argparse.Namespace(out=tmp_path, finetune_levels=[0.3])
+  table, _, entry = gp.task_report('sst2', rows, None, args)
+  got = {e['method']: e for e in entry['rows']}
+  assert got['unpruned']['score'] == pytest.approx(
+      (right('unpruned_s0') + right('unpruned_s1')) / 2
+  )
+  assert got['unpruned']['seeds'] == [0, 1] and got['L0 gates']['seeds'] == [0]
+  assert got['L0 gates']['minus_unpruned']['estimate'] == pytest.approx(
+      right('l0_s0') - right('unpruned_s0')  # 25.0; against both seeds' mean it would be 0.0
+  )
+  assert got['fine-tuned again (L0 control)']['minus_unpruned']['estimate'] == pytest.approx(
+      right('again_s0') - right('unpruned_s0')
+  )
+  assert '| 0,1 |' in table and '+25.00' in table
+
+
 def test_kept_scores_are_float32s_shortest_decimals_and_classes_stay():
   scores = np.array([4.749688148498535, 0.26093870401382446], np.float32)
   assert gp.stored(scores) == [4.749688, 0.2609387]
