@@ -710,6 +710,9 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
           '',
       ]
       rows_w = [row(p, done[p.name]) for p in unique(sum(groups.values(), [])) if p.name in done]
+      if not rows_w:
+        lines += [f'No run of {plan.steps} steps has finished yet.']
+        return _with_failures(lines, failures, bad)
       summaries = seed_summary(rows_w)
       lines += [table(summaries)]
       by = {(s['key'], s['steps']): s for s in summaries}
@@ -723,6 +726,11 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
       png = plan.out_dir / f'convergence_width{plan.tag}.png'
       plot_best(rows_w, png, 'fixed_head D = 128 vs concat D = 256 (min-max over seeds)', ylabel)
       lines += ['', f'![width stage learning curves]({rel(png)})']
+  return _with_failures(lines, failures, bad)
+
+
+def _with_failures(lines: list[str], failures: Mapping[str, str] | None, bad) -> str:
+  """The report's text, ending with the runs that failed (a diverged run is reported apart)."""
   failures = {k: v for k, v in (failures or {}).items() if k not in bad}
   if failures:
     lines += ['', 'Failed: ' + '; '.join(f'{k} ({v})' for k, v in failures.items())]

@@ -206,6 +206,31 @@ def test_report_tables_and_differences(tmp_path):
     assert (p.out_dir / png).exists()
 
 
+def test_a_longer_budget_with_no_width_run_yet_links_no_plot(tmp_path):
+  """A grid at a longer budget reported before its first width run finishes (a run spanning
+  sessions): the section says so and neither draws nor links the width plot; once one run has
+  finished, its row, the plot and the link are there, and no difference is claimed."""
+  p = conv.Plan(steps=24000, rate_steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'convergence')
+  rp = p.rate_plan
+  runs = [
+      fake_run(q, 2.2 + (0.0 if q.lr == 3e-3 else 0.05))
+      for q in conv.lr_points(rp) + conv.lr_points(rp, [conv.WIDTH_ARM])
+  ]
+  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  png = p.out_dir / 'convergence_width-24000st.png'
+  assert 'No run of 24000 steps has finished yet.' in text
+  assert 'convergence_width-24000st.png' not in text and not png.exists()
+  assert '**Stage seeds**' not in text
+  first = conv.Point(conv.WIDTH_ARM, 3e-3, 0, 24000)
+  runs.append(fake_run(first, 2.0))
+  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  assert 'No run of 24000 steps has finished yet.' not in text
+  assert '| fixed_head | 8 | 128 | 128 | 0.003 | 24000 | 1 | 2.0000 |' in text
+  assert '![width stage learning curves](convergence/convergence_width-24000st.png)' in text
+  assert png.exists()
+  assert 'minus concat D = 256' not in text
+
+
 def test_a_run_failed_in_one_stage_and_finished_in_a_later_one_is_no_failure(tmp_path, monkeypatch):
   """A grid's failure (a data-preparation race, say) that a later stage's grid reran to the end
   must not make the report say 'Failed' nor the command exit non-zero."""
