@@ -560,7 +560,7 @@ def difference(a: Mapping, b: Mapping, what: str) -> str:
   largest = max(a['range'], b['range'])
   if min(len(a['values']), len(b['values'])) < 2:
     # A range over one seed is zero: comparing with it would call any difference real.
-    verdict = 'seed noise unmeasured (an arm with one seed)'
+    verdict = 'seed noise unmeasured, an arm having one seed'
   elif abs(delta) > largest:
     verdict = 'larger than both seed ranges'
   else:
@@ -676,14 +676,26 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
         table(list(summaries.values())),
         f'![learning curves at the best rates]({rel(best_png)})',
         '',
-        'fixed_head (d_p = n = 128) minus concat at the same h (negative: fixed_head better):',
-        '',
     ]
-    for h in sorted({arm.heads for arm in plan.arms}):
-      fixed, concat = Arm(h, head_dim=LENGTH).key, Arm(h).key
-      if fixed in summaries and concat in summaries:
-        lines.append(difference(summaries[fixed], summaries[concat], f'h = {h}'))
-    lines.append('')
+    diffs = [
+        difference(summaries[fixed], summaries[concat], f'h = {h}')
+        for h in sorted({arm.heads for arm in plan.arms})
+        for fixed, concat in [(Arm(h, head_dim=LENGTH).key, Arm(h).key)]
+        if fixed in summaries and concat in summaries
+    ]
+    if diffs:
+      lines += [
+          'fixed_head (d_p = n = 128) minus concat at the same h (negative: fixed_head better):',
+          '',
+          *diffs,
+          '',
+      ]
+    else:
+      lines += [
+          'No fixed_head run has finished beside concat at the same h at this budget yet: no '
+          'difference.',
+          '',
+      ]
   # Stage width.
   rows_wlr = [row(p, done[p.name]) for p in width_lr if p.name in done]
   if rows_wlr:

@@ -231,6 +231,30 @@ def test_a_longer_budget_with_no_width_run_yet_links_no_plot(tmp_path):
   assert 'minus concat D = 256' not in text
 
 
+def test_a_seeds_stage_with_one_arm_of_a_pair_finished_claims_no_difference(tmp_path):
+  """The width stage's concat run at a longer budget is also stage seeds' concat h = 8 run:
+  with it finished and no fixed_head run at that budget, stage seeds shows its row and says no
+  difference can be given (no heading over an empty list); with fixed_head h = 8 finished
+  too, the difference is there."""
+  p = conv.Plan(steps=24000, rate_steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'convergence')
+  rp = p.rate_plan
+  runs = [
+      fake_run(q, 2.2 + (0.0 if q.lr == 3e-3 else 0.05))
+      for q in conv.lr_points(rp) + conv.lr_points(rp, [conv.WIDTH_ARM])
+  ]
+  runs.append(fake_run(conv.Point(conv.Arm(8), 3e-3, 0, 24000), 1.98))
+  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  seeds = text.split('**Stage seeds**')[1].split('**Stage width**')[0]
+  assert '| concat | 8 | 32 | 256 | 0.003 | 24000 | 1 | 1.9800 |' in seeds
+  assert 'minus concat at the same h' not in seeds
+  assert 'no difference' in seeds
+  runs.append(fake_run(conv.Point(conv.Arm(8, head_dim=conv.LENGTH), 3e-3, 0, 24000), 1.97))
+  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  seeds = text.split('**Stage seeds**')[1].split('**Stage width**')[0]
+  assert 'minus concat at the same h' in seeds and '- h = 8' in seeds
+  assert 'no difference' not in seeds
+
+
 def test_a_run_failed_in_one_stage_and_finished_in_a_later_one_is_no_failure(tmp_path, monkeypatch):
   """A grid's failure (a data-preparation race, say) that a later stage's grid reran to the end
   must not make the report say 'Failed' nor the command exit non-zero."""
