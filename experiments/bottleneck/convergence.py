@@ -549,14 +549,21 @@ def table(summaries: Sequence[Mapping], best: Mapping[str, float] | None = None)
 
 
 def difference(a: Mapping, b: Mapping, what: str) -> str:
-  """A line: a minus b, in means and per seed, against each one's seed range."""
-  delta = a['bits_per_char'] - b['bits_per_char']
-  per_seed = [
-      f'seed {s}: {va - vb:+.4f}'
+  """A line: a minus b, in means and per seed, against each one's seed range. Where one arm has
+  seeds the other lacks (a grid half done), the headline is the mean over the common seeds, so
+  that it compares like with like."""
+  paired = {
+      s: va - vb
       for s, va in zip(a['seeds'], a['values'])
       for t, vb in zip(b['seeds'], b['values'])
       if s == t
-  ]
+  }
+  per_seed = [f'seed {s}: {d:+.4f}' for s, d in paired.items()]
+  delta = a['bits_per_char'] - b['bits_per_char']
+  common = ''
+  if paired and set(a['seeds']) != set(b['seeds']):
+    delta = sum(paired.values()) / len(paired)
+    common = f' on the common seed{"s" * (len(paired) > 1)} {", ".join(map(str, paired))}'
   largest = max(a['range'], b['range'])
   if min(len(a['values']), len(b['values'])) < 2:
     # A range over one seed is zero: comparing with it would call any difference real.
@@ -566,7 +573,7 @@ def difference(a: Mapping, b: Mapping, what: str) -> str:
   else:
     verdict = 'within a seed range'
   return (
-      f"- {what}: {delta:+.4f} bits/char ({a['arm']} at lr {a['lr']:g}, {a['steps']} steps: "
+      f"- {what}: {delta:+.4f} bits/char{common} ({a['arm']} at lr {a['lr']:g}, {a['steps']} steps: "
       f"{_bits(a)}; {b['arm']} at lr {b['lr']:g}, {b['steps']} steps: {_bits(b)}; "
       f"{'; '.join(per_seed) or 'no common seed'}): {verdict} "
       f"({len(a['values'])} and {len(b['values'])} seeds, no interval claimed)."

@@ -332,6 +332,17 @@ def test_a_difference_between_single_seed_arms_claims_no_verdict():
   assert 'within a seed range' in near
 
 
+def test_a_difference_with_a_seed_missing_on_one_side_compares_the_common_seeds():
+  """Half a grid: arm a has seeds 0 and 1, arm b seed 0 only. The headline must be seed 0's
+  paired difference, not a's two-seed mean minus b's one-seed value."""
+  a = _summary('a', [2.05, 2.03])
+  line = conv.difference(a, _summary('b', [1.98]), 'equal steps')
+  assert line.startswith('- equal steps: +0.0700 bits/char on the common seed 0 (')
+  assert 'seed 0: +0.0700' in line and 'seed noise unmeasured' in line
+  both = conv.difference(a, _summary('b', [1.98, 2.00]), 'equal steps')
+  assert both.startswith('- equal steps: +0.0500 bits/char (') and 'common seed' not in both
+
+
 def test_seed1_periodic_reads_the_last_periodic_evaluation(tmp_path):
   """Seed 1's bits/char is its step-12,000 eval loss over ln 2 (not an earlier step's, not the
   train split's); seed 0's comes from results.json; the differences are fixed minus concat."""
