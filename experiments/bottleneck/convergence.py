@@ -552,12 +552,8 @@ def difference(a: Mapping, b: Mapping, what: str) -> str:
   """A line: a minus b, in means and per seed, against each one's seed range. Where one arm has
   seeds the other lacks (a grid half done), the headline is the mean over the common seeds, so
   that it compares like with like."""
-  paired = {
-      s: va - vb
-      for s, va in zip(a['seeds'], a['values'])
-      for t, vb in zip(b['seeds'], b['values'])
-      if s == t
-  }
+  b_by_seed = dict(zip(b['seeds'], b['values']))
+  paired = {s: va - b_by_seed[s] for s, va in zip(a['seeds'], a['values']) if s in b_by_seed}
   per_seed = [f'seed {s}: {d:+.4f}' for s, d in paired.items()]
   delta = a['bits_per_char'] - b['bits_per_char']
   common = ''
@@ -684,12 +680,11 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
         f'![learning curves at the best rates]({rel(best_png)})',
         '',
     ]
-    diffs = [
-        difference(summaries[fixed], summaries[concat], f'h = {h}')
-        for h in sorted({arm.heads for arm in plan.arms})
-        for fixed, concat in [(Arm(h, head_dim=LENGTH).key, Arm(h).key)]
-        if fixed in summaries and concat in summaries
-    ]
+    diffs = []
+    for h in sorted({arm.heads for arm in plan.arms}):
+      fixed, concat = Arm(h, head_dim=LENGTH).key, Arm(h).key
+      if fixed in summaries and concat in summaries:
+        diffs.append(difference(summaries[fixed], summaries[concat], f'h = {h}'))
     if diffs:
       lines += [
           'fixed_head (d_p = n = 128) minus concat at the same h (negative: fixed_head better):',
