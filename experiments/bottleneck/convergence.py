@@ -70,6 +70,7 @@ SEEDS = (0, 1)
 EVALS = 12  # periodic evaluations per run
 EVAL_BATCHES = 24  # validation batches per periodic evaluation (of ~112 in the split)
 FLAT_TOL = 0.01  # bits/char between the last two periodic evaluations
+TRAIN_HEADER = 'train bits/char, last interval (gap)'
 WARMUP_SHARE = 30 / 250  # configs/lm.py:bottleneck's warmup, as a share of its 250 steps
 KEEP_CHECKPOINTS = 2
 # The character vocabulary of the works' training split (every run of the sweep has it; the
@@ -336,6 +337,19 @@ def flatness(curve: Sequence[Sequence[float]], window: int, tol: float = FLAT_TO
   return {'flat': abs(change) < tol, 'last_change': change, 'last_change_from': step}
 
 
+def train_curve(train: Sequence[Mapping], eval_steps: Sequence[int]) -> list[list[float]]:
+  """[(step, bits/char)] at each evaluation step: the mean training loss logged since the
+  evaluation before it (the model still moves over the interval, so it sits a little above the
+  training loss at the step itself). An interval with no training line is left out."""
+  out, start = [], -math.inf
+  for step in eval_steps:
+    losses = [m['loss'] for m in train if start < m['step'] <= step]
+    if losses:
+      out.append([step, sum(losses) / len(losses) / math.log(2)])
+    start = step
+  return out
+
+
 def collect(rundir: pathlib.Path, final_batches: int = -1) -> dict:
   """The runner's record of the run with its periodic curve, its flatness, and (from
   `evaluate_run`, in a process of its own: the grid's process stays free of JAX threads, which
@@ -353,6 +367,7 @@ def collect(rundir: pathlib.Path, final_batches: int = -1) -> dict:
     raise ValueError(f'{rundir}: no eval line in metrics.jsonl')
   curve = [[m['step'], m['loss'] / math.log(2)] for m in evals]
   train = [m for m in out['metrics'] if m['split'] == 'train']
+  train_bits = train_curve(train, [step for step, _ in curve])
   out['result'] = {
       **out['result'],
       **{key: final[key] for key in SIZE_KEYS},
@@ -360,6 +375,11 @@ def collect(rundir: pathlib.Path, final_batches: int = -1) -> dict:
       'bits_per_char_periodic': curve[-1][1],  # the last periodic evaluation
       'final_eval': {k: v for k, v in final.items() if k not in SIZE_KEYS},
       'curve': curve,
+      'train_curve': train_bits,
+      # Against bits_per_char, the gap between the training data and unseen text at the end.
+      'train_bits_per_char': train_bits[-1][1]
+      if train_bits and train_bits[-1][0] == curve[-1][0]
+      else None,
       'train_secs': max((m.get('train_secs', 0.0) for m in train), default=None),
       **flatness(curve, out['full_config']['eval_every_steps']),
   }
@@ -478,6 +498,7 @@ def row(point: Point, result: Mapping) -> dict:
       'bits_per_char': result['bits_per_char'],
       'flat': result.get('flat'),
       'last_change': result.get('last_change'),
+      'train_bits_per_char': result.get('train_bits_per_char'),
       'params': result['params'],
       'train_flops': result['train_flops'],
       'minutes': (result['wall_time_s'] + final_s) / 60,
@@ -495,6 +516,7 @@ def seed_summary(rows: Sequence[dict]) -> list[dict]:
     members = sorted(members, key=lambda r: r['seed'])
     values = [r['bits_per_char'] for r in members]
     flats = [r['flat'] for r in members]
+    trains = [r.get('train_bits_per_char') for r in members]
     out.append(
         {
             **{
@@ -507,6 +529,7 @@ def seed_summary(rows: Sequence[dict]) -> list[dict]:
             'range': max(values) - min(values),
             'flat': None if None in flats else all(flats),
             'last_change': [r['last_change'] for r in members],
+            'train_bits_per_char': None if None in trains else sum(trains) / len(trains),
             'train_flops': members[0]['train_flops'],
             'minutes': sum(r['minutes'] for r in members) / len(members),
         }
@@ -527,8 +550,18 @@ def _flat(summary: Mapping) -> str:
   return f'{word} ({changes})' if changes else word
 
 
+def _train(summary: Mapping) -> str | None:
+  train = summary.get('train_bits_per_char')
+  if train is None:
+    return None
+  return f"{train:.4f} (gap {summary['bits_per_char'] - train:+.4f})"
+
+
 def table(summaries: Sequence[Mapping], best: Mapping[str, float] | None = None) -> str:
+  """The runs' table; the training bits/char column only where a run has it (runs collected
+  before it was recorded have not)."""
   mark = lambda s: ' (best)' if best and best.get(s['key']) == s['lr'] else ''
+  train = [(TRAIN_HEADER, _train)] if any(_train(s) for s in summaries) else []
   return runner.markdown_table(
       summaries,
       [
@@ -541,6 +574,7 @@ def table(summaries: Sequence[Mapping], best: Mapping[str, float] | None = None)
           ('seeds', lambda s: len(s['seeds'])),
           ('final bits/char', _bits),
           ('flattened? (last change)', _flat),
+          *train,
           ('params', lambda s: f"{s['params'] / 1e6:.2f}M"),
           ('train PFLOP', lambda s: f"{s['train_flops'] / 1e15:.3f}"),
           ('minutes per run', lambda s: f"{s['minutes']:.1f}"),
@@ -641,6 +675,13 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
       + (
           f' Rates: the best of the {plan.rate_steps}-step sweep (stage lr below).'
           if plan.rate_plan is not plan
+          else ''
+      )
+      + (
+          f' {TRAIN_HEADER}: the mean training loss logged since the evaluation before the last '
+          '(seed means), and the final bits/char minus it: the gap between text seen in training '
+          'and unseen text.'
+          if any(r.get('train_bits_per_char') is not None for r in done.values())
           else ''
       ),
       '',

@@ -159,7 +159,20 @@ def test_flatness_compares_the_last_evaluation_with_the_one_a_window_earlier():
   assert conv.flatness([], 250)['flat'] is None
 
 
-def fake_run(point, bits, flat=True):
+def test_train_curve_is_the_mean_training_loss_over_each_evaluation_interval():
+  """Each evaluation step gets the mean of the training losses logged after the evaluation
+  before it, up to and including its own step, in bits (nats / ln 2); an interval with no
+  training line gets no point."""
+  logged = [(100, 3.0), (200, 2.0), (250, 1.0), (300, 1.5), (500, 0.5), (510, 9.0)]
+  train = [{'step': step, 'split': 'train', 'loss': loss} for step, loss in logged]
+  got = conv.train_curve(train, [250, 500, 505])
+  assert [step for step, _ in got] == [250, 500]
+  assert got[0][1] == pytest.approx((3.0 + 2.0 + 1.0) / 3 / math.log(2))
+  assert got[1][1] == pytest.approx((1.5 + 0.5) / 2 / math.log(2))
+  assert conv.train_curve([], [250]) == []
+
+
+def fake_run(point, bits, flat=True, train=None):
   return {
       'name': point.name,
       'seed': point.seed,
@@ -173,6 +186,7 @@ def fake_run(point, bits, flat=True):
           'curve': [[s, bits + 1 / s] for s in (250, 500, 750)],
           'flat': flat,
           'last_change': -0.001,
+          **({'train_bits_per_char': train} if train is not None else {}),
       },
   }
 
@@ -229,6 +243,35 @@ def test_a_longer_budget_with_no_width_run_yet_links_no_plot(tmp_path):
   assert '![width stage learning curves](convergence/convergence_width-24000st.png)' in text
   assert png.exists()
   assert 'minus concat D = 256' not in text
+
+
+def test_the_train_column_shows_where_runs_record_training_bits_and_gives_the_gap(tmp_path):
+  """Runs collected with a training curve get the column (seed mean, final minus it); tables
+  of runs collected before it (here the 3000-step sweep) keep their old columns."""
+  p = conv.Plan(steps=24000, rate_steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'convergence')
+  rp = p.rate_plan
+  runs = [
+      fake_run(q, 2.2 + (0.0 if q.lr == 3e-3 else 0.05))
+      for q in conv.lr_points(rp) + conv.lr_points(rp, [conv.WIDTH_ARM])
+  ]
+  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  assert conv.TRAIN_HEADER not in text
+  for seed, (bits, train) in enumerate([(2.0, 1.9), (2.1, 1.95)]):
+    runs.append(fake_run(conv.Point(conv.WIDTH_ARM, 3e-3, seed, 24000), bits, train=train))
+  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  # One table has the column (its header and the budget line's explanation name it).
+  assert text.count(f'| {conv.TRAIN_HEADER} |') == 1
+  assert text.count(conv.TRAIN_HEADER) == 2
+  # Seed means 2.05 and 1.925: the gap is +0.125.
+  assert (
+      '| 2.0500 (seeds: 2.0000, 2.1000; range 0.1000) | yes (-0.001, -0.001) | 1.9250 (gap +0.1250) |'
+      in text
+  )
+  # A run without the record leaves the group's cell empty rather than averaging one seed.
+  del runs[-1]['result']['train_bits_per_char']
+  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  assert f'| {conv.TRAIN_HEADER} |' not in text
+  assert '| 2.0500 (seeds: 2.0000, 2.1000; range 0.1000) | yes (-0.001, -0.001) | 1.60M |' in text
 
 
 def test_a_seeds_stage_with_one_arm_of_a_pair_finished_claims_no_difference(tmp_path):
