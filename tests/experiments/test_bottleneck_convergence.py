@@ -191,6 +191,22 @@ def fake_run(point, bits, flat=True, train=None):
   }
 
 
+def report(runs, p):
+  return conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+
+
+def longer_budget(tmp_path):
+  """A plan of 24,000 steps and its 3,000-step rate sweep finished, 3e-3 the best rate of
+  every arm (the width arm's included)."""
+  p = conv.Plan(steps=24000, rate_steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'convergence')
+  rp = p.rate_plan
+  runs = [
+      fake_run(q, 2.2 + (0.0 if q.lr == 3e-3 else 0.05))
+      for q in conv.lr_points(rp) + conv.lr_points(rp, [conv.WIDTH_ARM])
+  ]
+  return p, runs
+
+
 def test_report_tables_and_differences(tmp_path):
   p = conv.Plan(runs_dir=tmp_path, out_dir=tmp_path / 'convergence')
   rates = dict(zip(conv.RATES, (0.1, 0.0, 0.2)))  # 3e-3 is best for every arm
@@ -208,7 +224,7 @@ def test_report_tables_and_differences(tmp_path):
     if point.name not in names:
       names.add(point.name)
       runs.append(fake_run(point, 2.05, flat=False))
-  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  text = report(runs, p)
   assert '**Stage lr**' in text and '**Stage seeds**' in text and '**Stage width**' in text
   assert text.count('(best)') == 6 + 1
   # h = 8: fixed (2.08, 2.084) minus concat (2.08, 2.084): zero, within the seed range.
@@ -224,20 +240,15 @@ def test_a_longer_budget_with_no_width_run_yet_links_no_plot(tmp_path):
   """A grid at a longer budget reported before its first width run finishes (a run spanning
   sessions): the section says so and neither draws nor links the width plot; once one run has
   finished, its row, the plot and the link are there, and no difference is claimed."""
-  p = conv.Plan(steps=24000, rate_steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'convergence')
-  rp = p.rate_plan
-  runs = [
-      fake_run(q, 2.2 + (0.0 if q.lr == 3e-3 else 0.05))
-      for q in conv.lr_points(rp) + conv.lr_points(rp, [conv.WIDTH_ARM])
-  ]
-  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  p, runs = longer_budget(tmp_path)
+  text = report(runs, p)
   png = p.out_dir / 'convergence_width-24000st.png'
   assert 'No run of 24000 steps has finished yet.' in text
   assert 'convergence_width-24000st.png' not in text and not png.exists()
   assert '**Stage seeds**' not in text
   first = conv.Point(conv.WIDTH_ARM, 3e-3, 0, 24000)
   runs.append(fake_run(first, 2.0))
-  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  text = report(runs, p)
   assert 'No run of 24000 steps has finished yet.' not in text
   assert '| fixed_head | 8 | 128 | 128 | 0.003 | 24000 | 1 | 2.0000 |' in text
   assert '![width stage learning curves](convergence/convergence_width-24000st.png)' in text
@@ -248,17 +259,12 @@ def test_a_longer_budget_with_no_width_run_yet_links_no_plot(tmp_path):
 def test_the_train_column_shows_where_runs_record_training_bits_and_gives_the_gap(tmp_path):
   """Runs collected with a training curve get the column (seed mean, final minus it); tables
   of runs collected before it (here the 3000-step sweep) keep their old columns."""
-  p = conv.Plan(steps=24000, rate_steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'convergence')
-  rp = p.rate_plan
-  runs = [
-      fake_run(q, 2.2 + (0.0 if q.lr == 3e-3 else 0.05))
-      for q in conv.lr_points(rp) + conv.lr_points(rp, [conv.WIDTH_ARM])
-  ]
-  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  p, runs = longer_budget(tmp_path)
+  text = report(runs, p)
   assert conv.TRAIN_HEADER not in text
   for seed, (bits, train) in enumerate([(2.0, 1.9), (2.1, 1.95)]):
     runs.append(fake_run(conv.Point(conv.WIDTH_ARM, 3e-3, seed, 24000), bits, train=train))
-  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  text = report(runs, p)
   # One table has the column (its header and the budget line's explanation name it).
   assert text.count(f'| {conv.TRAIN_HEADER} |') == 1
   assert text.count(conv.TRAIN_HEADER) == 2
@@ -269,7 +275,7 @@ def test_the_train_column_shows_where_runs_record_training_bits_and_gives_the_ga
   )
   # A run without the record leaves the group's cell empty rather than averaging one seed.
   del runs[-1]['result']['train_bits_per_char']
-  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  text = report(runs, p)
   assert f'| {conv.TRAIN_HEADER} |' not in text
   assert '| 2.0500 (seeds: 2.0000, 2.1000; range 0.1000) | yes (-0.001, -0.001) | 1.60M |' in text
 
@@ -279,20 +285,15 @@ def test_a_seeds_stage_with_one_arm_of_a_pair_finished_claims_no_difference(tmp_
   with it finished and no fixed_head run at that budget, stage seeds shows its row and says no
   difference can be given (no heading over an empty list); with fixed_head h = 8 finished
   too, the difference is there."""
-  p = conv.Plan(steps=24000, rate_steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'convergence')
-  rp = p.rate_plan
-  runs = [
-      fake_run(q, 2.2 + (0.0 if q.lr == 3e-3 else 0.05))
-      for q in conv.lr_points(rp) + conv.lr_points(rp, [conv.WIDTH_ARM])
-  ]
+  p, runs = longer_budget(tmp_path)
   runs.append(fake_run(conv.Point(conv.Arm(8), 3e-3, 0, 24000), 1.98))
-  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  text = report(runs, p)
   seeds = text.split('**Stage seeds**')[1].split('**Stage width**')[0]
   assert '| concat | 8 | 32 | 256 | 0.003 | 24000 | 1 | 1.9800 |' in seeds
   assert 'minus concat at the same h' not in seeds
   assert 'no difference' in seeds
   runs.append(fake_run(conv.Point(conv.Arm(8, head_dim=conv.LENGTH), 3e-3, 0, 24000), 1.97))
-  text = conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
+  text = report(runs, p)
   seeds = text.split('**Stage seeds**')[1].split('**Stage width**')[0]
   assert 'minus concat at the same h' in seeds and '- h = 8' in seeds
   assert 'no difference' not in seeds
