@@ -27,6 +27,13 @@ seeds and width at 12,000 steps at the rates the 3,000-step sweep picked (its ru
 finished, here or in `convergence/results.json`), `--seeds=0` only seed 0. Each budget other
 than the default writes its own README section (`convergence-<steps>st`) and plots.
 
+`--dropout=0.1` trains stages seeds and width with dropout 0.1 on the embeddings, every residual
+branch, the MLP's hidden layer and the attention probabilities (BERT's two rates), as runs of
+their own (names, plots and README section end in `-drop0.1`), at the rates of the sweep
+without dropout (at `--rate_steps`; stage lr never trains with dropout), and reports each
+against the same run without dropout where that has finished: whether the overfitting of the
+long runs without dropout changes a verdict.
+
 Every run: warmup 12% of its steps (the bottleneck config's 30 of 250, scaled), cosine decay
 over its own length; an evaluation every steps/12 steps on the first 24 validation batches
 (49k characters, the same ones each time: the learning curve), and at the end bits per
@@ -64,6 +71,7 @@ SECTION = 'convergence'
 CONFIG = sweep.CONFIG
 LENGTH, EMB_DIM = sweep.LENGTH, sweep.EMB_DIM
 NUM_HEADS, KIND, HEAD_DIM = sweep.NUM_HEADS, sweep.KIND, sweep.HEAD_DIM
+DROPOUT, ATTENTION_DROPOUT = 'model.dropout_rate', 'model.attention.dropout_rate'
 STEPS = 3000
 RATES = (1e-3, 3e-3, 1e-2)
 SEEDS = (0, 1)
@@ -135,16 +143,29 @@ SMOKE_ARMS = (WIDTH_BASELINE, Arm(8, head_dim=LENGTH))
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-  """One training run: an arm at a learning rate, seed and length."""
+  """One training run: an arm at a learning rate, seed and length [and dropout rate]."""
 
   arm: Arm
   lr: float
   seed: int
   steps: int
+  dropout: float = 0.0
 
   @property
   def name(self) -> str:
-    return f'{self.arm.key}-lr{self.lr:g}-{self.steps}st-s{self.seed}'
+    return f'{self.arm.key}-lr{self.lr:g}-{self.steps}st-s{self.seed}{_drop_tag(self.dropout)}'
+
+  def overrides(self) -> dict:
+    """The arm's, and the dropout rate on embeddings, residual branches, the MLP's hidden layer
+    and the attention probabilities (BERT's `hidden_dropout_prob` and
+    `attention_probs_dropout_prob` in one number); none without dropout, which is the config's."""
+    drop = {DROPOUT: self.dropout, ATTENTION_DROPOUT: self.dropout} if self.dropout else {}
+    return {**self.arm.overrides(), **drop}
+
+
+def _drop_tag(dropout: float) -> str:
+  """'-drop0.1' in run names, plots and README sections of a plan with dropout; '' without."""
+  return f'-drop{dropout:g}' if dropout else ''
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,19 +181,28 @@ class Plan:
   out_dir: pathlib.Path = OUT
   runs_dir: pathlib.Path = pathlib.Path('runs')
   rate_steps: int | None = None  # the budget whose stage-lr sweep picks the rates (None: steps)
+  dropout: float = 0.0  # stages seeds and width; stage lr never (see rate_plan)
+
+  def __post_init__(self):
+    if not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f'dropout={self.dropout!r} must be in [0, 1).')
 
   @property
   def rate_plan(self) -> 'Plan':
     """The plan of the stage-lr runs that pick each arm's rate: this one, or the same grid at
-    `rate_steps` (a longer budget reusing a shorter budget's rate sweep)."""
-    if self.rate_steps in (None, self.steps):
+    `rate_steps` (a longer budget reusing a shorter budget's rate sweep), always without
+    dropout: a plan with dropout takes its rates from the sweep without (a deviation its
+    README section names), which at 1.3 passes over the data barely overfits."""
+    if self.rate_steps in (None, self.steps) and not self.dropout:
       return self
-    return dataclasses.replace(self, steps=self.rate_steps, rate_steps=None)
+    return dataclasses.replace(
+        self, steps=self.rate_steps or self.steps, rate_steps=None, dropout=0.0
+    )
 
   @property
   def tag(self) -> str:
     """The suffix of this budget's README section and plots ('' for the default budget)."""
-    return '' if self.steps == STEPS else f'-{self.steps}st'
+    return ('' if self.steps == STEPS else f'-{self.steps}st') + _drop_tag(self.dropout)
 
   @classmethod
   def smoke(cls, runs_dir: pathlib.Path) -> 'Plan':
@@ -207,7 +237,7 @@ def schedule(steps: int, eval_batches: int = EVAL_BATCHES) -> dict:
 
 def make_run(point: Point, plan: Plan) -> runner.Run:
   overrides = {
-      **point.arm.overrides(),
+      **point.overrides(),
       'learning_rate': point.lr,
       **schedule(point.steps, plan.eval_batches),
       'data.tfds_data_dir': str(plan.runs_dir / 'tfds'),  # the data set, prepared once
@@ -230,7 +260,9 @@ def evaluate_command(rundir, batches: int) -> list[str]:
 
 def lr_points(plan: Plan, arms: Sequence[Arm] | None = None) -> list[Point]:
   """Stage lr: every arm at every rate, seed 0."""
-  return [Point(arm, lr, 0, plan.steps) for arm in arms or plan.arms for lr in plan.rates]
+  return [
+      Point(arm, lr, 0, plan.steps, plan.dropout) for arm in arms or plan.arms for lr in plan.rates
+  ]
 
 
 def best_rates(
@@ -256,7 +288,11 @@ def best_rates(
 
 def seed_points(best: Mapping[Arm, float], plan: Plan) -> list[Point]:
   """Stage seeds: each arm at its best rate, every seed (seed 0 is stage lr's run)."""
-  return [Point(arm, lr, seed, plan.steps) for arm, lr in best.items() for seed in plan.seeds]
+  return [
+      Point(arm, lr, seed, plan.steps, plan.dropout)
+      for arm, lr in best.items()
+      for seed in plan.seeds
+  ]
 
 
 @functools.cache
@@ -303,7 +339,7 @@ def width_points(
   arms = (WIDTH_ARM, WIDTH_BASELINE)
   cheap, dear = sorted(arms, key=flops.get)
   longer = equal_compute_steps(plan.steps, flops[dear], flops[cheap])
-  at = lambda arm, steps: [Point(arm, best[arm], seed, steps) for seed in plan.seeds]
+  at = lambda arm, steps: [Point(arm, best[arm], s, steps, plan.dropout) for s in plan.seeds]
   return {
       'equal steps': at(WIDTH_ARM, plan.steps) + at(WIDTH_BASELINE, plan.steps),
       'equal compute': at(dear, plan.steps) + at(cheap, longer),
@@ -673,14 +709,22 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
       f'{plan.eval_batches} batches. Flattened: the last two periodic evaluations differ by '
       f'less than {FLAT_TOL} bits/char (the change in brackets).'
       + (
-          f' Rates: the best of the {plan.rate_steps}-step sweep (stage lr below).'
+          f' Rates: the best of the {plan.rate_plan.steps}-step sweep (stage lr below).'
           if plan.rate_plan is not plan
+          else ''
+      )
+      + (
+          f' Dropout {plan.dropout:g} on the embeddings, every residual branch, the MLP hidden '
+          "layer and the attention probabilities in stages seeds and width (BERT's rate); the "
+          'rate sweep ran without.'
+          if plan.dropout
           else ''
       )
       + (
           f' {TRAIN_HEADER}: the mean training loss logged since the evaluation before the last '
           '(seed means), and the final bits/char minus it: the gap between text seen in training '
-          'and unseen text.'
+          'and unseen text'
+          + (', the training loss measured with dropout on.' if plan.dropout else '.')
           if any(r.get('train_bits_per_char') is not None for r in done.values())
           else ''
       ),
@@ -740,6 +784,7 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
           '',
       ]
   # Stage width.
+  trained = seed_points(best, plan)  # what dropout_effect compares
   rows_wlr = [row(p, done[p.name]) for p in width_lr if p.name in done]
   if rows_wlr:
     wbest, wnotes = best_rates(
@@ -764,24 +809,62 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
           'trains the longer run below.',
           '',
       ]
+      trained += sum(groups.values(), [])
       rows_w = [row(p, done[p.name]) for p in unique(sum(groups.values(), [])) if p.name in done]
-      if not rows_w:
-        lines += [f'No run of {plan.steps} steps has finished yet.']
-        return _with_failures(lines, failures, bad)
-      summaries = seed_summary(rows_w)
-      lines += [table(summaries)]
-      by = {(s['key'], s['steps']): s for s in summaries}
-      for what, points in groups.items():
-        keys = list(dict.fromkeys((p.arm.key, p.steps) for p in points))
-        if all(k in by for k in keys):
-          a, b = (by[k] for k in keys)
-          if a['key'] != WIDTH_ARM.key:
-            a, b = b, a
-          lines.append(difference(a, b, f'{what}, fixed_head D = 128 minus concat D = 256'))
-      png = plan.out_dir / f'convergence_width{plan.tag}.png'
-      plot_best(rows_w, png, 'fixed_head D = 128 vs concat D = 256 (min-max over seeds)', ylabel)
-      lines += ['', f'![width stage learning curves]({rel(png)})']
+      if rows_w:
+        png = plan.out_dir / f'convergence_width{plan.tag}.png'
+        lines += width_comparison(rows_w, groups, png, ylabel)
+        lines += ['', f'![width stage learning curves]({rel(png)})']
+      else:
+        with_dropout = f' with dropout {plan.dropout:g}' if plan.dropout else ''
+        lines += [f'No run of {plan.steps} steps{with_dropout} has finished yet.']
+  if plan.dropout:
+    lines += dropout_effect(plan, trained, done)
   return _with_failures(lines, failures, bad)
+
+
+def width_comparison(
+    rows_w: Sequence[dict], groups: Mapping[str, list[Point]], png: pathlib.Path, ylabel: str
+) -> list[str]:
+  """Stage width at the budget: the table of its runs and its two differences; draws `png`."""
+  summaries = seed_summary(rows_w)
+  lines = [table(summaries)]
+  by = {(s['key'], s['steps']): s for s in summaries}
+  for what, points in groups.items():
+    keys = list(dict.fromkeys((p.arm.key, p.steps) for p in points))
+    if all(k in by for k in keys):
+      a, b = (by[k] for k in keys)
+      if a['key'] != WIDTH_ARM.key:
+        a, b = b, a
+      lines.append(difference(a, b, f'{what}, fixed_head D = 128 minus concat D = 256'))
+  plot_best(rows_w, png, 'fixed_head D = 128 vs concat D = 256 (min-max over seeds)', ylabel)
+  return lines
+
+
+def dropout_effect(plan: Plan, points: Iterable[Point], done: Mapping[str, dict]) -> list[str]:
+  """Per arm and budget of a plan with dropout: its finished runs minus the same runs (arm,
+  rate, steps, seeds) without dropout, where those have finished too."""
+  pairs: dict[tuple, tuple[list, list]] = {}
+  for point in unique(points):
+    without = dataclasses.replace(point, dropout=0.0)
+    if point.name in done and without.name in done:
+      with_rows, without_rows = pairs.setdefault((point.arm.key, point.steps), ([], []))
+      with_rows.append(row(point, done[point.name]))
+      without_rows.append(row(without, done[without.name]))
+  if not pairs:
+    return []
+  lines = [
+      '',
+      f'Dropout {plan.dropout:g} minus none, the same arm, rate, steps and seeds (negative: '
+      'dropout better):',
+      '',
+  ]
+  for with_rows, without_rows in pairs.values():
+    (a,), (b,) = seed_summary(with_rows), seed_summary(without_rows)
+    what = f"{a['arm']}, {a['steps']} steps"
+    a, b = {**a, 'arm': f'dropout {plan.dropout:g}'}, {**b, 'arm': 'none'}
+    lines.append(difference(a, b, what))
+  return lines
 
 
 def _with_failures(lines: list[str], failures: Mapping[str, str] | None, bad) -> str:
@@ -822,6 +905,13 @@ def main(argv=None):
       help='seeds of stages seeds and width (default %(default)s)',
   )
   parser.add_argument(
+      '--dropout',
+      type=float,
+      default=0.0,
+      help='dropout rate of stages seeds and width, at the rates of the sweep without dropout '
+      '(run names, plots and README section end in -drop<rate>; default: none, as the config)',
+  )
+  parser.add_argument(
       '--smoke',
       action='store_true',
       help=f'every stage on {SMOKE_STEPS} steps, two arms and two rates, under <runs_dir>/smoke',
@@ -838,10 +928,16 @@ def main(argv=None):
     return flops
   runs_dir = pathlib.Path(args.runs_dir).resolve()
   if args.smoke:
-    plan = Plan.smoke(runs_dir)
+    plan = dataclasses.replace(Plan.smoke(runs_dir), dropout=args.dropout)
   else:
     seeds = tuple(int(seed) for seed in args.seeds.split(','))
-    plan = Plan(steps=args.steps, runs_dir=runs_dir, rate_steps=args.rate_steps, seeds=seeds)
+    plan = Plan(
+        steps=args.steps,
+        runs_dir=runs_dir,
+        rate_steps=args.rate_steps,
+        seeds=seeds,
+        dropout=args.dropout,
+    )
   failures: dict[str, str] = {}
   if args.plot_only:
     results = runner.load_results(plan.out_dir)

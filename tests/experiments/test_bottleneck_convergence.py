@@ -353,6 +353,87 @@ def test_a_longer_budget_takes_its_rates_from_a_shorter_budgets_sweep(tmp_path, 
   }
 
 
+def test_dropout_trains_its_own_runs_at_the_rates_of_the_sweep_without(tmp_path, monkeypatch):
+  """--dropout=0.1 --steps=24000 --rate_steps=3000: stages seeds and width train runs of their
+  own (names ending -drop0.1) with dropout on the model and on the attention probabilities; the
+  rates come from the 3,000-step sweep without dropout, which is not trained again."""
+  p = conv.Plan(steps=24000, rate_steps=3000, dropout=0.1, runs_dir=tmp_path, out_dir=tmp_path)
+  assert p.tag == '-24000st-drop0.1'
+  assert p.rate_plan == conv.Plan(steps=3000, runs_dir=tmp_path, out_dir=tmp_path)
+  # Without --rate_steps the sweep is this budget's, still without dropout.
+  same = conv.Plan(steps=3000, dropout=0.1, runs_dir=tmp_path, out_dir=tmp_path).rate_plan
+  assert same == conv.Plan(steps=3000, runs_dir=tmp_path, out_dir=tmp_path)
+  # The config's own dropout is none: the runs without --dropout are the runs without dropout.
+  config = conv.arm_config(conv.WIDTH_BASELINE)
+  assert config.model.dropout_rate == 0.0 and config.model.attention.dropout_rate == 0.0
+  point = conv.Point(conv.WIDTH_BASELINE, 3e-3, 1, 24000, 0.1)
+  assert point.name == 'concat-h8-D256-lr0.003-24000st-s1-drop0.1'
+  run = conv.make_run(point, p)
+  assert float(flag(run, 'model.dropout_rate')) == 0.1
+  assert float(flag(run, 'model.attention.dropout_rate')) == 0.1
+  plain = conv.make_run(conv.Point(conv.WIDTH_BASELINE, 3e-3, 1, 24000), p)
+  assert plain.name == 'concat-h8-D256-lr0.003-24000st-s1'
+  assert not [a for a in plain.command if 'dropout_rate=' in a]
+  # The stages: the sweep's names without dropout, the others with it.
+  short = p.rate_plan
+  swept = conv.lr_points(short) + conv.lr_points(short, [conv.WIDTH_ARM])
+  runs = [{'name': q.name, 'result': {'bits_per_char': 3.0 - q.lr}} for q in swept]
+  runner.files.write_json(tmp_path / runner.RESULTS_FILE, {'runs': runs, 'failed': []})
+  calls = []
+
+  def fake_grid(runs, *args, **kwargs):
+    calls.append([r.name for r in runs])
+    return {'runs': [], 'failed': [], 'unfinished': []}
+
+  monkeypatch.setattr(conv.runner, 'run_grid', fake_grid)
+  flops = {conv.WIDTH_ARM: 2.0, conv.WIDTH_BASELINE: 1.0}
+  monkeypatch.setattr(conv, 'width_flops', lambda in_subprocess=False: flops)
+  conv.run_stages(p, 'all', {'parallel': 1, 'refresh': False}, failures={})
+  assert calls[0] == [q.name for q in conv.lr_points(short)]
+  assert calls[1] == [
+      f'{arm.key}-lr0.01-24000st-s{seed}-drop0.1' for arm in conv.LR_ARMS for seed in conv.SEEDS
+  ]
+  assert calls[2] == [q.name for q in conv.lr_points(short, [conv.WIDTH_ARM, conv.WIDTH_BASELINE])]
+  assert set(calls[3]) == {f'fixed128-h8-D128-lr0.01-24000st-s{s}-drop0.1' for s in conv.SEEDS} | {
+      f'concat-h8-D256-lr0.01-{n}st-s{s}-drop0.1' for n in (24000, 48000) for s in conv.SEEDS
+  }
+  with pytest.raises(ValueError, match='dropout=1.0'):
+    conv.Plan(dropout=1.0)
+
+
+def test_the_dropout_report_gives_each_run_against_the_same_run_without(tmp_path):
+  """A plan with dropout reports its own runs (the width difference between runs with dropout
+  only) and, per arm and budget, dropout minus none over the seeds both have finished."""
+  p, runs = longer_budget(tmp_path)
+  d = dataclasses.replace(p, dropout=0.1)
+  fixed, concat = conv.WIDTH_ARM, conv.WIDTH_BASELINE
+  for seed, (f0, c0, f1, c1) in enumerate([(2.05, 1.98, 2.00, 1.95), (2.04, 1.99, 2.01, 1.93)]):
+    runs += [
+        fake_run(conv.Point(fixed, 3e-3, seed, 24000), f0),
+        fake_run(conv.Point(concat, 3e-3, seed, 24000), c0),
+        fake_run(conv.Point(fixed, 3e-3, seed, 24000, 0.1), f1, train=1.9),
+    ]
+    if seed == 0:  # concat with dropout: seed 0 only
+      runs.append(fake_run(conv.Point(concat, 3e-3, seed, 24000, 0.1), c1))
+  text = report(runs, d)
+  assert 'Dropout 0.1 on the embeddings' in text and 'the best of the 3000-step sweep' in text
+  assert 'measured with dropout on' in text
+  # The width difference compares runs with dropout: fixed (2.00, 2.01) against concat (1.95).
+  assert (
+      '- equal steps, fixed_head D = 128 minus concat D = 256: +0.0500 bits/char on the common seed 0'
+      in text
+  )
+  effect = text.split('Dropout 0.1 minus none')[1]
+  # fixed: (2.00 - 2.05, 2.01 - 2.04) = (-0.05, -0.03), mean -0.04; concat: seed 0 only, -0.03.
+  assert f'- {fixed.label}, 24000 steps: -0.0400 bits/char' in effect
+  assert 'seed 0: -0.0500; seed 1: -0.0300' in effect
+  assert f'- {concat.label}, 24000 steps: -0.0300 bits/char' in effect
+  assert 'seed noise unmeasured' in effect  # one seed of concat with dropout
+  assert (tmp_path / 'convergence' / 'convergence_width-24000st-drop0.1.png').exists()
+  # The report without dropout shows none of it.
+  assert 'minus none' not in report(runs, p) and 'Dropout 0.1' not in report(runs, p)
+
+
 def _summary(arm, values):
   return {
       'arm': arm,
