@@ -402,7 +402,8 @@ def collect(rundir: pathlib.Path, final_batches: int = -1) -> dict:
   if not evals:
     raise ValueError(f'{rundir}: no eval line in metrics.jsonl')
   curve = [[m['step'], m['loss'] / math.log(2)] for m in evals]
-  train = [m for m in out['metrics'] if m['split'] == 'train']
+  # Every train line of metrics.jsonl: `read_run` keeps only a few (what results.json stores).
+  train = [m for m in runner.read_metrics(rundir) if m['split'] == 'train']
   train_bits = train_curve(train, [step for step, _ in curve])
   out['result'] = {
       **out['result'],

@@ -6,6 +6,7 @@ import json
 import math
 import pathlib
 
+import numpy as np
 import pytest
 
 from experiments import runner
@@ -170,6 +171,36 @@ def test_train_curve_is_the_mean_training_loss_over_each_evaluation_interval():
   assert got[0][1] == pytest.approx((3.0 + 2.0 + 1.0) / 3 / math.log(2))
   assert got[1][1] == pytest.approx((1.5 + 0.5) / 2 / math.log(2))
   assert conv.train_curve([], [250]) == []
+
+
+def test_collect_averages_every_training_line_of_the_run_not_results_jsons_few(tmp_path):
+  """The training column comes from the run's whole metrics.jsonl (a line every steps/100),
+  not from the handful of train lines the runner keeps for results.json."""
+  steps, every, log_every = 2400, 200, 24
+  rng = np.random.default_rng(0)
+  lines = [
+      {'step': s, 'split': 'train', 'loss': float(rng.uniform(1.0, 3.0))}
+      for s in [1, *range(log_every, steps + 1, log_every)]
+  ]
+  evals = [{'step': s, 'split': 'eval', 'loss': 1.5} for s in range(every, steps + 1, every)]
+  with open(tmp_path / runner.METRICS_FILE, 'w') as f:
+    for line in sorted(lines + evals, key=lambda m: (m['step'], m['split'])):
+      f.write(json.dumps(line) + '\n')
+  runner.files.write_json(tmp_path / 'config.json', {'eval_every_steps': every})
+  whole = {'batches': -1, 'loss': 1.4, 'seconds': 1.0, 'vocab_size': conv.VOCAB_SIZE}
+  whole |= {key: 1.0 for key in conv.SIZE_KEYS if key != 'vocab_size'}
+  runner.files.write_json(tmp_path / conv.WHOLE_FILE, whole)
+  assert len(runner.read_run(tmp_path)['metrics']) < len(lines)  # the runner thins them
+  result = conv.collect(tmp_path)['result']
+  losses = np.array([m['loss'] for m in lines])
+  at = np.array([m['step'] for m in lines])
+  expected = [
+      [end, losses[(at > end - every) & (at <= end)].mean() / np.log(2)]
+      for end in range(every, steps + 1, every)
+  ]
+  assert [s for s, _ in result['train_curve']] == [s for s, _ in expected]
+  np.testing.assert_allclose([b for _, b in result['train_curve']], [b for _, b in expected])
+  assert result['train_bits_per_char'] == pytest.approx(expected[-1][1])
 
 
 def fake_run(point, bits, flat=True, train=None):
