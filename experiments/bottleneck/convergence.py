@@ -78,7 +78,7 @@ SEEDS = (0, 1)
 EVALS = 12  # periodic evaluations per run
 EVAL_BATCHES = 24  # validation batches per periodic evaluation (of ~112 in the split)
 FLAT_TOL = 0.01  # bits/char between the last two periodic evaluations
-TRAIN_HEADER = 'train bits/char, last interval (gap)'
+TRAIN_HEADER = 'train bits/char, last twelfth (gap)'
 WARMUP_SHARE = 30 / 250  # configs/lm.py:bottleneck's warmup, as a share of its 250 steps
 KEEP_CHECKPOINTS = 2
 # The character vocabulary of the works' training split (every run of the sweep has it; the
@@ -405,6 +405,9 @@ def collect(rundir: pathlib.Path, final_batches: int = -1) -> dict:
   # Every train line of metrics.jsonl: `read_run` keeps only a few (what results.json stores).
   train = [m for m in runner.read_metrics(rundir) if m['split'] == 'train']
   train_bits = train_curve(train, [step for step, _ in curve])
+  every = out['full_config']['eval_every_steps']
+  window = train_curve(train, [curve[-1][0] - every, curve[-1][0]])
+  end = window[-1][1] if window and window[-1][0] == curve[-1][0] else None
   out['result'] = {
       **out['result'],
       **{key: final[key] for key in SIZE_KEYS},
@@ -414,9 +417,9 @@ def collect(rundir: pathlib.Path, final_batches: int = -1) -> dict:
       'curve': curve,
       'train_curve': train_bits,
       # Against bits_per_char, the gap between the training data and unseen text at the end.
-      'train_bits_per_char': train_bits[-1][1]
-      if train_bits and train_bits[-1][0] == curve[-1][0]
-      else None,
+      # Over the run's last eval_every_steps steps (its last evaluation may follow the one
+      # before by less: a run of 25,663 steps evaluates at 25,656 and at its end).
+      'train_bits_per_char': end,
       'train_secs': max((m.get('train_secs', 0.0) for m in train), default=None),
       **flatness(curve, out['full_config']['eval_every_steps']),
   }
@@ -722,7 +725,7 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
           else ''
       )
       + (
-          f' {TRAIN_HEADER}: the mean training loss logged since the evaluation before the last '
+          f' {TRAIN_HEADER}: the mean training loss logged over the last twelfth of the run '
           '(seed means), and the final bits/char minus it: the gap between text seen in training '
           'and unseen text'
           + (', the training loss measured with dropout on.' if plan.dropout else '.')

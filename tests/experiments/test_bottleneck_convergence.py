@@ -175,14 +175,16 @@ def test_train_curve_is_the_mean_training_loss_over_each_evaluation_interval():
 
 def test_collect_averages_every_training_line_of_the_run_not_results_jsons_few(tmp_path):
   """The training column comes from the run's whole metrics.jsonl (a line every steps/100),
-  not from the handful of train lines the runner keeps for results.json."""
-  steps, every, log_every = 2400, 200, 24
+  not from the handful of train lines the runner keeps for results.json; the final value
+  covers the run's last eval_every_steps steps even where its last evaluation follows the one
+  before by less (a run of 2,410 steps evaluating every 200: at 2,400 and 2,410)."""
+  steps, every, log_every = 2410, 200, 24
   rng = np.random.default_rng(0)
-  lines = [
-      {'step': s, 'split': 'train', 'loss': float(rng.uniform(1.0, 3.0))}
-      for s in [1, *range(log_every, steps + 1, log_every)]
-  ]
-  evals = [{'step': s, 'split': 'eval', 'loss': 1.5} for s in range(every, steps + 1, every)]
+  at = np.array([1, *range(log_every, steps, log_every), steps])
+  losses = rng.uniform(1.0, 3.0, size=len(at))
+  lines = [{'step': int(s), 'split': 'train', 'loss': float(l)} for s, l in zip(at, losses)]
+  eval_steps = [*range(every, steps, every), steps]
+  evals = [{'step': s, 'split': 'eval', 'loss': 1.5} for s in eval_steps]
   with open(tmp_path / runner.METRICS_FILE, 'w') as f:
     for line in sorted(lines + evals, key=lambda m: (m['step'], m['split'])):
       f.write(json.dumps(line) + '\n')
@@ -192,15 +194,11 @@ def test_collect_averages_every_training_line_of_the_run_not_results_jsons_few(t
   runner.files.write_json(tmp_path / conv.WHOLE_FILE, whole)
   assert len(runner.read_run(tmp_path)['metrics']) < len(lines)  # the runner thins them
   result = conv.collect(tmp_path)['result']
-  losses = np.array([m['loss'] for m in lines])
-  at = np.array([m['step'] for m in lines])
-  expected = [
-      [end, losses[(at > end - every) & (at <= end)].mean() / np.log(2)]
-      for end in range(every, steps + 1, every)
-  ]
-  assert [s for s, _ in result['train_curve']] == [s for s, _ in expected]
+  bits = lambda low, high: losses[(at > low) & (at <= high)].mean() / np.log(2)
+  expected = [[end, bits(start, end)] for start, end in zip([0, *eval_steps], eval_steps)]
+  assert [s for s, _ in result['train_curve']] == eval_steps
   np.testing.assert_allclose([b for _, b in result['train_curve']], [b for _, b in expected])
-  assert result['train_bits_per_char'] == pytest.approx(expected[-1][1])
+  assert result['train_bits_per_char'] == pytest.approx(bits(steps - every, steps))
 
 
 def fake_run(point, bits, flat=True, train=None):
