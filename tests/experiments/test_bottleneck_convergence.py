@@ -348,17 +348,13 @@ def test_a_run_failed_in_one_stage_and_finished_in_a_later_one_is_no_failure(tmp
   assert failures == {}
 
 
-def test_a_longer_budget_takes_its_rates_from_a_shorter_budgets_sweep(tmp_path, monkeypatch):
-  """--steps=12000 --rate_steps=3000: stages seeds and width train at 12,000 steps at the rates
-  the 3,000-step sweep picked; the sweep itself is not trained again at 12,000."""
-  p = conv.Plan(steps=12000, rate_steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'out')
-  short = conv.Plan(steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'out')
-  assert p.rate_plan == dataclasses.replace(short, rate_steps=None) and short.rate_plan is short
-  assert (p.tag, short.tag) == ('-12000st', '')
+def run_all_stages(p, short, monkeypatch):
+  """`run_stages(p, 'all')` with the grid faked: `short`'s rate sweep recorded as finished in
+  p's results.json, 1e-2 best for every arm (bits/char lowest at the highest rate), the width
+  model twice the baseline's FLOPs. Returns the run names each grid call was given."""
   swept = conv.lr_points(short) + conv.lr_points(short, [conv.WIDTH_ARM])
-  # At 3,000 steps 1e-2 is best for every arm (bits/char lowest at the highest rate).
   runs = [{'name': q.name, 'result': {'bits_per_char': 3.0 - q.lr}} for q in swept]
-  p.out_dir.mkdir()
+  p.out_dir.mkdir(exist_ok=True)
   runner.files.write_json(p.out_dir / runner.RESULTS_FILE, {'runs': runs, 'failed': []})
   calls = []
 
@@ -370,6 +366,17 @@ def test_a_longer_budget_takes_its_rates_from_a_shorter_budgets_sweep(tmp_path, 
   flops = {conv.WIDTH_ARM: 2.0, conv.WIDTH_BASELINE: 1.0}
   monkeypatch.setattr(conv, 'width_flops', lambda in_subprocess=False: flops)
   conv.run_stages(p, 'all', {'parallel': 1, 'refresh': False}, failures={})
+  return calls
+
+
+def test_a_longer_budget_takes_its_rates_from_a_shorter_budgets_sweep(tmp_path, monkeypatch):
+  """--steps=12000 --rate_steps=3000: stages seeds and width train at 12,000 steps at the rates
+  the 3,000-step sweep picked; the sweep itself is not trained again at 12,000."""
+  p = conv.Plan(steps=12000, rate_steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'out')
+  short = conv.Plan(steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'out')
+  assert p.rate_plan == dataclasses.replace(short, rate_steps=None) and short.rate_plan is short
+  assert (p.tag, short.tag) == ('-12000st', '')
+  calls = run_all_stages(p, short, monkeypatch)
   lr_names = [q.name for q in conv.lr_points(short)]
   assert calls[0] == lr_names  # finished: the grid skips them
   assert calls[1] == [
@@ -405,19 +412,7 @@ def test_dropout_trains_its_own_runs_at_the_rates_of_the_sweep_without(tmp_path,
   assert not [a for a in plain.command if 'dropout_rate=' in a]
   # The stages: the sweep's names without dropout, the others with it.
   short = p.rate_plan
-  swept = conv.lr_points(short) + conv.lr_points(short, [conv.WIDTH_ARM])
-  runs = [{'name': q.name, 'result': {'bits_per_char': 3.0 - q.lr}} for q in swept]
-  runner.files.write_json(tmp_path / runner.RESULTS_FILE, {'runs': runs, 'failed': []})
-  calls = []
-
-  def fake_grid(runs, *args, **kwargs):
-    calls.append([r.name for r in runs])
-    return {'runs': [], 'failed': [], 'unfinished': []}
-
-  monkeypatch.setattr(conv.runner, 'run_grid', fake_grid)
-  flops = {conv.WIDTH_ARM: 2.0, conv.WIDTH_BASELINE: 1.0}
-  monkeypatch.setattr(conv, 'width_flops', lambda in_subprocess=False: flops)
-  conv.run_stages(p, 'all', {'parallel': 1, 'refresh': False}, failures={})
+  calls = run_all_stages(p, short, monkeypatch)
   assert calls[0] == [q.name for q in conv.lr_points(short)]
   assert calls[1] == [
       f'{arm.key}-lr0.01-24000st-s{seed}-drop0.1' for arm in conv.LR_ARMS for seed in conv.SEEDS
