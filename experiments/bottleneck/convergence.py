@@ -700,12 +700,18 @@ def plot_best(rows: Sequence[dict], out: pathlib.Path, title: str, ylabel: str) 
 
 
 def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> str:
-  """The README section: runs summary, then per stage its table, plots and differences."""
+  """The README section: its runs' summary (only the runs it reports: a results.json holds
+  every budget's), then per stage its table, plots and differences."""
   done = finished(results)
   ylabel = f'validation bits/char ({plan.eval_batches} batches)'
   rel = lambda path: path.relative_to(plan.out_dir.parent).as_posix()
+  body = stages_report(plan, done, ylabel, rel)
+  reported = [p.name for p in body.points]
+  if plan.dropout:  # the runs without dropout that dropout_effect compares with
+    reported += [dataclasses.replace(p, dropout=0.0).name for p in body.points if p.name in done]
+  tabled = [r for rows in body.tables for r in rows]
   lines = [
-      runner.runs_summary(results),
+      runner.runs_summary(results, reported),
       '',
       f'Budget: {plan.steps} steps of 16 x 128 characters '
       f'({plan.steps * 16 * 128:,} characters) per run unless stated; final bits/char '
@@ -729,11 +735,29 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
           '(seed means), and the final bits/char minus it: the gap between text seen in training '
           'and unseen text'
           + (', the training loss measured with dropout on.' if plan.dropout else '.')
-          if any(r.get('train_bits_per_char') is not None for r in done.values())
+          if any(r.get('train_bits_per_char') is not None for r in tabled)
           else ''
       ),
       '',
+      *body.lines,
   ]
+  return _with_failures(lines, failures, body.diverged)
+
+
+@dataclasses.dataclass
+class _Stages:
+  """The stages' part of a README section: its lines, the runs it reports (finished or not),
+  the rows of its tables and the runs that diverged."""
+
+  lines: list[str]
+  points: list[Point]
+  tables: list[list[dict]]
+  diverged: set[str]
+
+
+def stages_report(plan: Plan, done: Mapping[str, dict], ylabel: str, rel) -> _Stages:
+  """Per stage its table, plots and differences (`report` puts the summary above them)."""
+  lines, tables = [], []
   # Stage lr (at the budget that picks the rates).
   rp = plan.rate_plan
   lr_pts = lr_points(rp)
@@ -741,6 +765,8 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
   best, notes = best_rates(finals(rp, lr_pts, done), plan.arms, rp)
   width_lr = lr_points(rp, [WIDTH_ARM])
   bad = diverged(plan, [p.name for p in lr_pts + width_lr], done)
+  reported = lr_pts + width_lr
+  tables.append(rows_lr)
   lines += [
       f'**Stage lr** (seed 0, every rate, {rp.steps} steps):',
       '',
@@ -758,6 +784,8 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
     lines += [f'![learning curves per arm and rate]({rel(rates_png)})', '']
   # Stage seeds.
   rows_seeds = [row(p, done[p.name]) for p in seed_points(best, plan) if p.name in done]
+  reported += seed_points(best, plan)
+  tables.append(rows_seeds)
   if rows_seeds:
     summaries = {s['key']: s for s in seed_summary(rows_seeds)}
     best_png = plan.out_dir / f'convergence_best{plan.tag}.png'
@@ -790,6 +818,7 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
   # Stage width.
   trained = seed_points(best, plan)  # what dropout_effect compares
   rows_wlr = [row(p, done[p.name]) for p in width_lr if p.name in done]
+  tables.append(rows_wlr)
   if rows_wlr:
     wbest, wnotes = best_rates(
         finals(rp, width_lr + lr_points(rp, [WIDTH_BASELINE]), done),
@@ -815,6 +844,8 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
       ]
       trained += sum(groups.values(), [])
       rows_w = [row(p, done[p.name]) for p in unique(sum(groups.values(), [])) if p.name in done]
+      reported += sum(groups.values(), [])
+      tables.append(rows_w)
       if rows_w:
         png = plan.out_dir / f'convergence_width{plan.tag}.png'
         lines += width_comparison(rows_w, groups, png, ylabel)
@@ -824,7 +855,7 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
         lines += [f'No run of {plan.steps} steps{with_dropout} has finished yet.']
   if plan.dropout:
     lines += dropout_effect(plan, trained, done)
-  return _with_failures(lines, failures, bad)
+  return _Stages(lines, unique(reported), tables, bad)
 
 
 def width_comparison(

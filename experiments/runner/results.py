@@ -148,16 +148,19 @@ def history(results: Mapping[str, Any], split: str) -> list[dict[str, Any]]:
   ]
 
 
-def runs_summary(results: Mapping[str, Any]) -> str:
+def runs_summary(results: Mapping[str, Any], names: Iterable[str] | None = None) -> str:
   """A README line: how many runs, their run time, and the machines they ran on.
 
   A grid that is not through yet says so: 'N of M runs finished (still to run: ...)'.
+  names: count only these runs (finished, failed or still to run), for a README section that
+    reports part of what results.json holds; None: every run.
   """
-  runs = results['runs']
+  keep = (lambda name: True) if names is None else set(names).__contains__
+  runs = [run for run in results['runs'] if keep(run['name'])]
   if not runs:
     return 'No finished runs.'
-  failed = [f['name'] for f in results.get('failed', [])]
-  unfinished = results.get('unfinished', [])
+  failed = [f['name'] for f in results.get('failed', []) if keep(f['name'])]
+  unfinished = [name for name in results.get('unfinished', []) if keep(name)]
   left = [
       f'{label}: {", ".join(names)}'
       for label, names in (('failed', failed), ('still to run', unfinished))

@@ -309,6 +309,31 @@ def test_the_train_column_shows_where_runs_record_training_bits_and_gives_the_ga
   assert '| 2.0500 (seeds: 2.0000, 2.1000; range 0.1000) | yes (-0.001, -0.001) | 1.60M |' in text
 
 
+def test_a_section_summarises_only_the_runs_it_reports(tmp_path):
+  """results.json holds every budget's runs; a section's first line counts, times and places
+  only the runs it reports, and its budget line explains the training column only where one of
+  its tables shows it."""
+  p, runs = longer_budget(tmp_path)  # 21 runs of 3000 steps, 600 s each
+  elsewhere = conv.Point(conv.WIDTH_ARM, 3e-3, 0, 12000)  # a budget no section below reports
+  runs.append({**fake_run(elsewhere, 2.0, train=1.8), 'wall_time_s': 9000.0})
+  runs[-1]['machine'] = {'cpu': 'Elsewhere CPU'}
+  short = conv.Plan(steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'convergence')
+  text = report(runs, short)
+  assert text.startswith('21 runs, 3.5 h of run time in all (longest 10.0 min), on ? (')
+  assert 'Elsewhere' not in text and conv.TRAIN_HEADER not in text
+  width = conv.Point(conv.WIDTH_ARM, 3e-3, 0, 24000)
+  runs.append({**fake_run(width, 2.0, train=1.9), 'wall_time_s': 1200.0})
+  runs.append(fake_run(conv.Point(conv.WIDTH_BASELINE, 3e-3, 0, 24000), 1.9))
+  text = report(runs, p)
+  assert text.startswith('23 runs, 4.0 h of run time in all (longest 20.0 min), on ')
+  assert 'Elsewhere' not in text and text.count(conv.TRAIN_HEADER) == 2
+  # With dropout: its runs, the sweep and the runs without dropout it is compared with (not
+  # concat's, whose run with dropout has not finished).
+  runs.append(fake_run(dataclasses.replace(width, dropout=0.1), 2.1))
+  text = report(runs, dataclasses.replace(p, dropout=0.1))
+  assert text.startswith('23 runs, 4.0 h of run time in all (longest 20.0 min), on ')
+
+
 def test_a_seeds_stage_with_one_arm_of_a_pair_finished_claims_no_difference(tmp_path):
   """The width stage's concat run at a longer budget is also stage seeds' concat h = 8 run:
   with it finished and no fixed_head run at that budget, stage seeds shows its row and says no

@@ -237,6 +237,14 @@ def test_results_collected_after_each_run_and_from_done_files(tmp_path):
   assert runner.runs_summary(partial).startswith(
       '1 of 3 runs finished (failed: r1; still to run: r2), '
   )
+  # A README section that reports part of the runs counts those alone.
+  assert runner.runs_summary(partial, names=['r0', 'r2']).startswith(
+      '1 of 2 runs finished (still to run: r2), '
+  )
+  assert runner.runs_summary(partial, names=['r0', 'r1']).startswith(
+      '1 of 2 runs finished (failed: r1), '
+  )
+  assert runner.runs_summary(partial, names=['r1', 'r2']) == 'No finished runs.'
   assert runner.load_results(out) == results
 
   # The work tree wiped, the run directories kept: results.json comes back, nothing reruns.
