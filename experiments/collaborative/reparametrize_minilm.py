@@ -1,7 +1,7 @@
 """Experiment A: re-parametrize the pretrained all-MiniLM-L6-v2 encoder at shrinking key width.
 
     python -m experiments.collaborative.reparametrize_minilm [--key_dims=128,64]
-        [--captions=F1,F2,F3,F4,F5] [--finetune_steps=N] [--out=DIR] [--smoke]
+        [--captions=F1,F2,F3,F4,F5] [--finetune_steps=N] [--out=DIR] [--smoke] [--plot_only]
 
 The installed all-MiniLM-L6-v2 (6 layers, 12 heads of 32, D = 384) is used as the sentence
 encoder it is (mean pooling, L2 normalisation: `lowrank_attn.models.bert.sentence_pooling`)
@@ -25,7 +25,8 @@ the per-head SVD's block one-hot mixing (frozen, so it stays concat heads).
 Writes `DIR/results.json` (a list: method, key_dim, finetuned, recall_at_1, mrr, the
 attention's parameters and FLOPs, the per-layer relative errors |T - T^| / |T|, seconds),
 `DIR/results.md` and `DIR/recall_at_1.png`; with the default DIR also the README's section.
-Resumable: entries already in results.json are kept and not computed again.
+Resumable: entries already in results.json are kept and not computed again. `--plot_only`:
+the table, plot and section from `DIR/results.json` alone (no model, no data).
 """
 
 import argparse
@@ -83,6 +84,11 @@ def parse_args(argv=None):
       action='store_true',
       help='a minute-long end-to-end check: 40 captions per file, key width 64, '
       '3 fine-tune steps',
+  )
+  parser.add_argument(
+      '--plot_only',
+      action='store_true',
+      help='redraw the table, plot and README section from DIR/results.json; compute nothing',
   )
   args = parser.parse_args(argv)
   args.key_dims = [int(k) for k in args.key_dims.split(',')]
@@ -238,6 +244,12 @@ def save_results(out: pathlib.Path, results: list[dict]) -> None:
 def main(argv=None):
   args = parse_args(argv)
   out = pathlib.Path(args.out)
+  if args.plot_only:
+    results = load_results(out)
+    if not results:
+      raise SystemExit(f'--plot_only: {out / "results.json"} holds no results to draw')
+    report(results, out, args)
+    return
   out.mkdir(parents=True, exist_ok=True)
   caption_paths = (
       args.captions.split(',') if args.captions else [data_file(f) for f in CAPTION_FILES]
@@ -254,12 +266,14 @@ def main(argv=None):
   mean_length = round(float(np.mean([len(r) for ids in caption_ids for r in ids])))
   print(f'{len(captions[0])} images x 5 captions, mean length {mean_length} tokens', flush=True)
 
-  train_ids, teacher = [], None
-  if args.finetune_steps:
+  @functools.cache
+  def distillation_data():
+    """The fine-tune's sentences and the original's embeddings of them (its targets), made
+    once and only if a fine-tune is left to run."""
     sentences = read_lines(data_file(TRAIN_FILE))
     needed = min(args.finetune_steps * args.batch_size, len(sentences))
     train_ids = token_ids(tokenizer, sentences[:needed], max_length)
-    teacher = bert.embed_sentences(original, pooling, train_ids)
+    return train_ids, bert.embed_sentences(original, pooling, train_ids)
 
   results = load_results(out)
   done = {(r['method'], r['key_dim'], r['finetuned']) for r in results}
@@ -305,6 +319,7 @@ def main(argv=None):
         record(method, key_dim, False, converted.model, converted.relative_errors, started)
       if True in todo:
         started = time.time()
+        train_ids, teacher = distillation_data()
         first, last = distill(
             converted.model,
             pooling,

@@ -2,6 +2,8 @@
 caption files' checks, and the from-scratch grid's configs (concat heads keep frozen mixing)."""
 
 import gzip
+import json
+import types
 
 import numpy as np
 import pytest
@@ -42,6 +44,61 @@ def test_caption_files_are_checked(tmp_path):
     reparametrize_minilm.read_captions(write_captions(tmp_path, [3] * 4))
   with pytest.raises(ValueError, match=r'the same number each; got .*: 2'):
     reparametrize_minilm.read_captions(write_captions(tmp_path, [3, 3, 2, 3, 3]))
+
+
+def minilm_entry(method, key_dim, finetuned, recall):
+  return {
+      'method': method,
+      'key_dim': key_dim,
+      'finetuned': finetuned,
+      'recall_at_1': recall,
+      'mrr': recall + 0.1,
+      'mean_relative_error': 0.25,
+      'attention_params': 1000,
+      'attention_mflops': 1.5,
+  }
+
+
+def every_minilm_entry(key_dim):
+  """What a finished run at one key width holds: the original and each method before and
+  after its fine-tune."""
+  methods = reparametrize_minilm.METHODS
+  return [minilm_entry('original', 384, False, 0.9)] + [
+      minilm_entry(m, key_dim, f, 0.5 + 0.1 * f) for m in methods for f in (False, True)
+  ]
+
+
+def refuse(*args, **kwargs):
+  raise AssertionError('nothing should be loaded or computed here')
+
+
+def test_minilm_plot_only_draws_from_results_alone(tmp_path, monkeypatch):
+  monkeypatch.setattr(reparametrize_minilm.bert, 'load_pretrained', refuse)
+  monkeypatch.setattr(reparametrize_minilm, 'data_file', refuse)
+  (tmp_path / 'results.json').write_text(json.dumps(every_minilm_entry(64)))
+  reparametrize_minilm.main(['--plot_only', f'--out={tmp_path}'])
+  table = (tmp_path / 'results.md').read_text()
+  assert '| original | 384 |  | 0.900 | 1.000 | 0.250 | 1,000 | 1.5 |' in table
+  assert '| per_head_svd | 64 | yes | 0.600 | 0.700 |' in table
+  assert (tmp_path / 'recall_at_1.png').exists()
+  with pytest.raises(SystemExit, match='holds no results'):
+    reparametrize_minilm.main(['--plot_only', f'--out={tmp_path / "empty"}'])
+
+
+def test_minilm_rerun_with_every_entry_done_reads_no_fine_tune_data(tmp_path, monkeypatch):
+  """A rerun of a finished width computes nothing: the distillation targets (the original's
+  embeddings of the fine-tune sentences) are made only when a fine-tune is left to run."""
+  original = types.SimpleNamespace(cfg=types.SimpleNamespace(emb_dim=384))
+  monkeypatch.setattr(reparametrize_minilm.bert, 'load_pretrained', lambda _: original)
+  monkeypatch.setattr(reparametrize_minilm, 'data_file', refuse)
+  monkeypatch.setattr(reparametrize_minilm.bert, 'embed_sentences', refuse)
+  out = tmp_path / 'out'
+  out.mkdir()
+  (out / 'results.json').write_text(json.dumps(every_minilm_entry(64)))
+  captions = ','.join(write_captions(tmp_path, [3] * 5))
+  reparametrize_minilm.main([f'--captions={captions}', '--key_dims=64', f'--out={out}'])
+  assert json.loads((out / 'results.json').read_text()) == every_minilm_entry(64)
+  assert '| collaborative | 64 | yes | 0.600 |' in (out / 'results.md').read_text()
 
 
 def test_from_scratch_configs():
