@@ -1,0 +1,79 @@
+"""experiments/redraw.py: every generated README section has a redraw command, and a redraw in
+a scratch worktree tells identical from differs and failed without touching the working tree."""
+
+import subprocess
+import sys
+
+import pytest
+
+from experiments import redraw
+
+README = """# x
+
+<!-- table -->
+| a |
+|---|
+| 1 |
+<!-- /table -->
+"""
+
+
+def test_every_readme_section_has_a_redraw_command_and_every_command_a_section():
+  found = redraw.readme_sections()
+  assert len(found) == len(set(found))
+  assert sorted(found) == sorted(redraw.SECTIONS)
+
+
+def git(repo, *args):
+  subprocess.run(['git', '-C', str(repo), *args], check=True, capture_output=True)
+
+
+def writes(value):
+  """A script body that writes the section with `value` in its table, as a redraw does."""
+  text = README.replace('| 1 |', f'| {value} |')
+  return ['-c', f'import pathlib; pathlib.Path("experiments/x/README.md").write_text({text!r})']
+
+
+def test_redraw_tells_identical_from_differs_and_failed_at_head(tmp_path):
+  repo = tmp_path / 'repo'
+  (repo / 'experiments' / 'x').mkdir(parents=True)
+  readme = repo / 'experiments' / 'x' / 'README.md'
+  readme.write_text(README)
+  git(repo, 'init', '-q')
+  git(repo, '-c', 'user.name=t', '-c', 'user.email=t@t', 'add', '.')
+  git(repo, '-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-qm', 'x')
+  assert redraw.readme_sections(repo) == ['x/table']
+  readme.write_text(README + 'an edit not committed\n')  # the check runs at HEAD
+  outcomes = redraw.redraw(
+      {
+          'x/same': writes(1),
+          'x/other': writes(2),
+          'x/broken': ['-c', 'import sys; print("no results"); sys.exit(3)'],
+          'x/after': ['-c', 'pass'],  # the worktree was put back after the one that differed
+      },
+      repo=repo,
+      python=sys.executable,
+      log=lambda line: None,
+  )
+  assert [(o.section, o.status) for o in outcomes] == [
+      ('x/same', 'identical'),
+      ('x/other', 'differs'),
+      ('x/broken', 'failed'),
+      ('x/after', 'identical'),
+  ]
+  assert 'experiments/x/README.md' in outcomes[1].detail
+  assert '-| 1 |' in outcomes[1].detail and '+| 2 |' in outcomes[1].detail
+  assert 'exit status 3' in outcomes[2].detail and 'no results' in outcomes[2].detail
+  assert readme.read_text() == README + 'an edit not committed\n'
+  # The scratch worktree is gone from the repository's list.
+  listed = subprocess.run(
+      ['git', '-C', str(repo), 'worktree', 'list'], capture_output=True, text=True, check=True
+  )
+  assert len(listed.stdout.strip().splitlines()) == 1
+
+
+def test_an_unknown_section_is_refused_by_name(capsys):
+  with pytest.raises(SystemExit, match='unknown sections heads/nothing'):
+    redraw.main(['--sections=heads/nothing'])
+  assert redraw.main(['--list', '--sections=heads/voita']) == 0
+  assert '--protocol=voita' in capsys.readouterr().out
