@@ -121,6 +121,18 @@ class Outcome:
   seconds: float = 0.0
 
 
+def _environment(repo: pathlib.Path) -> dict[str, str]:
+  """The commands' environment: LOWRANK_ATTN_DATA made absolute (the worktree lies elsewhere),
+  or the checkout's ../shared/data where it has one and the variable is unset (as `make`)."""
+  env = {**os.environ, 'PYTHONPATH': ''}
+  data = os.environ.get('LOWRANK_ATTN_DATA')
+  if data:
+    env['LOWRANK_ATTN_DATA'] = str(pathlib.Path(data).resolve())
+  elif (repo.parent / 'shared' / 'data').is_dir():
+    env['LOWRANK_ATTN_DATA'] = str((repo.parent / 'shared' / 'data').resolve())
+  return env
+
+
 def _git(tree: pathlib.Path, *args: str) -> str:
   done = subprocess.run(['git', '-C', str(tree), *args], capture_output=True, text=True, check=True)
   return done.stdout
@@ -143,7 +155,7 @@ def redraw(
         log(f'redraw: {section}: {" ".join(command[1:])}')
         started = time.time()
         done = subprocess.run(
-            command, cwd=tree, capture_output=True, text=True, env={**os.environ, 'PYTHONPATH': ''}
+            command, cwd=tree, capture_output=True, text=True, env=_environment(repo)
         )
         seconds = time.time() - started
         changed = _git(tree, 'status', '--porcelain', '--untracked-files=no')

@@ -77,3 +77,16 @@ def test_an_unknown_section_is_refused_by_name(capsys):
     redraw.main(['--sections=heads/nothing'])
   assert redraw.main(['--list', '--sections=heads/voita']) == 0
   assert '--protocol=voita' in capsys.readouterr().out
+
+
+def test_the_data_directory_reaches_the_commands_as_an_absolute_path(tmp_path, monkeypatch):
+  """The worktree lies elsewhere, so a relative LOWRANK_ATTN_DATA would name another place;
+  unset, it is the checkout's ../shared/data where that exists, as under `make`."""
+  (tmp_path / 'shared' / 'data').mkdir(parents=True)
+  repo = tmp_path / 'repo'
+  monkeypatch.chdir(repo.parent)
+  monkeypatch.setenv('LOWRANK_ATTN_DATA', 'shared/data')
+  assert redraw._environment(repo)['LOWRANK_ATTN_DATA'] == str(tmp_path / 'shared' / 'data')
+  monkeypatch.delenv('LOWRANK_ATTN_DATA')
+  assert redraw._environment(repo)['LOWRANK_ATTN_DATA'] == str(tmp_path / 'shared' / 'data')
+  assert 'LOWRANK_ATTN_DATA' not in redraw._environment(tmp_path / 'shared' / 'repo')
