@@ -765,7 +765,6 @@ def stages_report(plan: Plan, done: Mapping[str, dict], ylabel: str, rel) -> _St
   best, notes = best_rates(finals(rp, lr_pts, done), plan.arms, rp)
   width_lr = lr_points(rp, [WIDTH_ARM])
   bad = diverged(plan, [p.name for p in lr_pts + width_lr], done)
-  reported = lr_pts + width_lr
   tables.append(rows_lr)
   lines += [
       f'**Stage lr** (seed 0, every rate, {rp.steps} steps):',
@@ -784,7 +783,6 @@ def stages_report(plan: Plan, done: Mapping[str, dict], ylabel: str, rel) -> _St
     lines += [f'![learning curves per arm and rate]({rel(rates_png)})', '']
   # Stage seeds.
   rows_seeds = [row(p, done[p.name]) for p in seed_points(best, plan) if p.name in done]
-  reported += seed_points(best, plan)
   tables.append(rows_seeds)
   if rows_seeds:
     summaries = {s['key']: s for s in seed_summary(rows_seeds)}
@@ -816,7 +814,7 @@ def stages_report(plan: Plan, done: Mapping[str, dict], ylabel: str, rel) -> _St
           '',
       ]
   # Stage width.
-  trained = seed_points(best, plan)  # what dropout_effect compares
+  trained = seed_points(best, plan)  # stages seeds and width: what dropout_effect compares
   rows_wlr = [row(p, done[p.name]) for p in width_lr if p.name in done]
   tables.append(rows_wlr)
   if rows_wlr:
@@ -844,7 +842,6 @@ def stages_report(plan: Plan, done: Mapping[str, dict], ylabel: str, rel) -> _St
       ]
       trained += sum(groups.values(), [])
       rows_w = [row(p, done[p.name]) for p in unique(sum(groups.values(), [])) if p.name in done]
-      reported += sum(groups.values(), [])
       tables.append(rows_w)
       if rows_w:
         png = plan.out_dir / f'convergence_width{plan.tag}.png'
@@ -855,7 +852,7 @@ def stages_report(plan: Plan, done: Mapping[str, dict], ylabel: str, rel) -> _St
         lines += [f'No run of {plan.steps} steps{with_dropout} has finished yet.']
   if plan.dropout:
     lines += dropout_effect(plan, trained, done)
-  return _Stages(lines, unique(reported), tables, bad)
+  return _Stages(lines, unique(lr_pts + width_lr + trained), tables, bad)
 
 
 def width_comparison(
