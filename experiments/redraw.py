@@ -7,8 +7,10 @@ A README's results lie between `<!-- name -->` and `<!-- /name -->`, written by 
 each one (`--plot_only` or `--report_only`, with the flags that select it). Each command runs in
 a scratch git worktree at HEAD, so the working tree is not touched and uncommitted changes are
 not checked; after each, the worktree's tracked files are compared with HEAD and put back.
-A section is `identical` (nothing tracked changed), `differs` (the files that changed, then
-the README lines) or `failed` (the command's exit status and last lines). Exit status 1 if any
+A section is `identical` (its README written again, nothing tracked changed), `differs` (the
+files that changed, then the README lines), `not written` (the command exited 0 without writing
+its README: flags that select no section) or `failed` (the command's exit status and last
+lines). Exit status 1 if any
 section differs or failed.
 
 Runs directories: `{runs}` in a command is a scratch directory, so a redraw reads committed
@@ -116,7 +118,7 @@ def readme_sections(root: pathlib.Path = REPO_ROOT) -> list[str]:
 @dataclasses.dataclass
 class Outcome:
   section: str
-  status: str  # 'identical', 'differs' or 'failed'
+  status: str  # 'identical', 'differs', 'not written' or 'failed'
   detail: str = ''
   seconds: float = 0.0
 
@@ -153,6 +155,8 @@ def redraw(
       for section, args in sections.items():
         command = [python, *(a.replace('{runs}', str(runs)) for a in args)]
         log(f'redraw: {section}: {" ".join(command[1:])}')
+        readme = tree / EXPERIMENTS / section.split('/')[0] / 'README.md'
+        before = readme.stat().st_mtime_ns
         started = time.time()
         done = subprocess.run(
             command, cwd=tree, capture_output=True, text=True, env=_environment(repo)
@@ -162,6 +166,10 @@ def redraw(
         if done.returncode != 0:
           tail = '\n'.join((done.stdout + done.stderr).strip().splitlines()[-15:])
           outcome = Outcome(section, 'failed', f'exit status {done.returncode}:\n{tail}', seconds)
+        elif readme.stat().st_mtime_ns == before:
+          outcome = Outcome(
+              section, 'not written', f'{readme.relative_to(tree)} untouched', seconds
+          )
         elif changed:
           diff = _git(tree, 'diff', '--unified=0', '--', '*.md')
           lines = [l for l in diff.splitlines() if l[:1] in '+-' and l[:3] not in ('+++', '---')]

@@ -43,13 +43,19 @@ def test_redraw_tells_identical_from_differs_and_failed_at_head(tmp_path):
   git(repo, '-c', 'user.name=t', '-c', 'user.email=t@t', 'add', '.')
   git(repo, '-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-qm', 'x')
   assert redraw.readme_sections(repo) == ['x/table']
+  path = 'experiments/x/README.md'
   readme.write_text(README + 'an edit not committed\n')  # the check runs at HEAD
   outcomes = redraw.redraw(
       {
           'x/same': writes(1),
           'x/other': writes(2),
           'x/broken': ['-c', 'import sys; print("no results"); sys.exit(3)'],
-          'x/after': ['-c', 'pass'],  # the worktree was put back after the one that differed
+          'x/silent': ['-c', 'print("README.md has no section x")'],
+          # Writes the README as it finds it: the worktree was put back after 'x/other'.
+          'x/after': [
+              '-c',
+              f'import pathlib; p = pathlib.Path({path!r}); p.write_text(p.read_text())',
+          ],
       },
       repo=repo,
       python=sys.executable,
@@ -59,6 +65,7 @@ def test_redraw_tells_identical_from_differs_and_failed_at_head(tmp_path):
       ('x/same', 'identical'),
       ('x/other', 'differs'),
       ('x/broken', 'failed'),
+      ('x/silent', 'not written'),
       ('x/after', 'identical'),
   ]
   assert 'experiments/x/README.md' in outcomes[1].detail
