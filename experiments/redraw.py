@@ -15,7 +15,7 @@ section differs or failed.
 
 Runs directories: `{runs}` in a command is a scratch directory, so a redraw reads committed
 files only (a script that finds a run directory recorded in its results may still copy files
-from it, as its `--plot_only` does anywhere). Run time on the 2-core CPU: about 50 min for all
+from it, as its `--plot_only` does anywhere). Run time on the 2-core CPU: one to two hours for all
 sections at nice 19 beside a training run, most of it the GLUE sections' bootstrap intervals.
 """
 
