@@ -25,6 +25,7 @@ import dataclasses
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -140,6 +141,10 @@ def _git(tree: pathlib.Path, *args: str) -> str:
   return done.stdout
 
 
+def _exit_on_sigterm(signum, frame):
+  raise SystemExit(128 + signum)  # so that the scratch worktree is removed on the way out
+
+
 def redraw(
     sections: Mapping[str, Sequence[str]],
     repo: pathlib.Path = REPO_ROOT,
@@ -148,6 +153,7 @@ def redraw(
 ) -> list[Outcome]:
   """Runs each section's command in a scratch worktree of `repo` at HEAD; one Outcome each."""
   outcomes = []
+  previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
   with tempfile.TemporaryDirectory(prefix='redraw-') as scratch:
     tree, runs = pathlib.Path(scratch) / 'tree', pathlib.Path(scratch) / 'runs'
     _git(repo, 'worktree', 'add', '--detach', '--quiet', str(tree), 'HEAD')
@@ -180,6 +186,7 @@ def redraw(
         outcomes.append(outcome)
         _git(tree, 'checkout', '--quiet', '--', '.')
     finally:
+      signal.signal(signal.SIGTERM, previous)
       _git(repo, 'worktree', 'remove', '--force', str(tree))
   return outcomes
 

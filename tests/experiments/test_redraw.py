@@ -1,8 +1,10 @@
 """experiments/redraw.py: every generated README section has a redraw command, and a redraw in
 a scratch worktree tells identical from differs and failed without touching the working tree."""
 
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -34,14 +36,27 @@ def writes(value):
   return ['-c', f'import pathlib; pathlib.Path("experiments/x/README.md").write_text({text!r})']
 
 
-def test_redraw_tells_identical_from_differs_and_failed_at_head(tmp_path):
+def fake_repo(tmp_path):
+  """A git repository with one experiment README holding one section, committed."""
   repo = tmp_path / 'repo'
   (repo / 'experiments' / 'x').mkdir(parents=True)
-  readme = repo / 'experiments' / 'x' / 'README.md'
-  readme.write_text(README)
+  (repo / 'experiments' / 'x' / 'README.md').write_text(README)
   git(repo, 'init', '-q')
   git(repo, '-c', 'user.name=t', '-c', 'user.email=t@t', 'add', '.')
   git(repo, '-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-qm', 'x')
+  return repo
+
+
+def worktrees(repo):
+  listed = subprocess.run(
+      ['git', '-C', str(repo), 'worktree', 'list'], capture_output=True, text=True, check=True
+  )
+  return listed.stdout.strip().splitlines()
+
+
+def test_redraw_tells_identical_from_differs_and_failed_at_head(tmp_path):
+  repo = fake_repo(tmp_path)
+  readme = repo / 'experiments' / 'x' / 'README.md'
   assert redraw.readme_sections(repo) == ['x/table']
   path = 'experiments/x/README.md'
   readme.write_text(README + 'an edit not committed\n')  # the check runs at HEAD
@@ -72,11 +87,28 @@ def test_redraw_tells_identical_from_differs_and_failed_at_head(tmp_path):
   assert '-| 1 |' in outcomes[1].detail and '+| 2 |' in outcomes[1].detail
   assert 'exit status 3' in outcomes[2].detail and 'no results' in outcomes[2].detail
   assert readme.read_text() == README + 'an edit not committed\n'
-  # The scratch worktree is gone from the repository's list.
-  listed = subprocess.run(
-      ['git', '-C', str(repo), 'worktree', 'list'], capture_output=True, text=True, check=True
+  assert len(worktrees(repo)) == 1  # the scratch worktree is gone from the repository's list
+
+
+def test_a_redraw_stopped_by_sigterm_removes_its_worktree(tmp_path):
+  """A grid-style stop (SIGTERM, as a deadline watcher sends) ends the running command and
+  leaves no scratch worktree behind."""
+  repo = fake_repo(tmp_path)
+  code = (
+      'import pathlib\n'
+      'from experiments import redraw\n'
+      f"redraw.redraw({{'x/slow': ['-c', 'import time; time.sleep(120)']}}, "
+      f'repo=pathlib.Path({str(repo)!r}), log=lambda line: print(line, flush=True))\n'
   )
-  assert len(listed.stdout.strip().splitlines()) == 1
+  proc = subprocess.Popen(
+      [sys.executable, '-c', code], cwd=redraw.REPO_ROOT, stdout=subprocess.PIPE, text=True
+  )
+  assert proc.stdout.readline().startswith('redraw: x/slow: ')
+  assert len(worktrees(repo)) == 2
+  time.sleep(0.5)
+  proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+  assert len(worktrees(repo)) == 1
 
 
 def test_an_unknown_section_is_refused_by_name(capsys):
