@@ -10,13 +10,13 @@ not checked; after each, the worktree's tracked files are compared with HEAD and
 A section is `identical` (its README written again, nothing tracked changed), `differs` (the
 files that changed, then the README lines), `not written` (the command exited 0 without writing
 its README: flags that select no section) or `failed` (the command's exit status and last
-lines). Exit status 1 if any
-section differs or failed.
+lines). Exit status 1 unless every section is identical.
 
 Runs directories: `{runs}` in a command is a scratch directory, so a redraw reads committed
 files only (a script that finds a run directory recorded in its results may still copy files
-from it, as its `--plot_only` does anywhere). Run time on the 2-core CPU: one to two hours for all
-sections at nice 19 beside a training run, most of it the GLUE sections' bootstrap intervals.
+from it, as its `--plot_only` does anywhere). Run time on the 2-core CPU: one to two hours
+for all sections at nice 19 beside a training run, most of it the GLUE sections' bootstrap
+intervals.
 """
 
 import argparse
@@ -31,7 +31,8 @@ import sys
 import tempfile
 import time
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+from experiments.runner import REPO_ROOT
+
 EXPERIMENTS = 'experiments'
 
 _CONVERGENCE = ['-m', 'experiments.bottleneck.convergence', '--plot_only', '--runs_dir={runs}']
