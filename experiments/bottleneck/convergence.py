@@ -494,14 +494,20 @@ def evaluate_run(rundir: pathlib.Path, batches: int = -1) -> dict:
 
 
 def finished(results) -> dict[str, dict]:
-  """Run name -> the collected result (with seed and wall time) of each finished run."""
+  """Run name -> the collected result (with wall time and machine) of each finished run."""
   return {
       run['name']: {
           **(run.get('result') or {}),
           'wall_time_s': run.get('wall_time_total_s', run.get('wall_time_s')),
+          'machine': machine_name(run.get('machine') or {}),
       }
       for run in results['runs']
   }
+
+
+def machine_name(machine: Mapping) -> str:
+  """A run's machine in a few words: its GPU where it had one, else its CPU."""
+  return (machine.get('gpus') or [machine.get('cpu', '?')])[0]
 
 
 def diverged(plan: Plan, names: Iterable[str], done: Mapping[str, dict]) -> set[str]:
@@ -542,6 +548,7 @@ def row(point: Point, result: Mapping) -> dict:
       'params': result['params'],
       'train_flops': result['train_flops'],
       'minutes': (result['wall_time_s'] + final_s) / 60,
+      'machine': result.get('machine', '?'),
       'curve': result.get('curve', []),
   }
 
@@ -572,6 +579,12 @@ def seed_summary(rows: Sequence[dict]) -> list[dict]:
             'train_bits_per_char': None if None in trains else sum(trains) / len(trains),
             'train_flops': members[0]['train_flops'],
             'minutes': sum(r['minutes'] for r in members) / len(members),
+            # Seeds run on different machines: each one's minutes, not a mean across them.
+            'minutes_per_seed': (
+                [(r['minutes'], r['machine']) for r in members]
+                if len({r['machine'] for r in members}) > 1
+                else None
+            ),
         }
     )
   return out
@@ -597,6 +610,13 @@ def _train(summary: Mapping) -> str | None:
   return f"{train:.4f} (gap {summary['bits_per_char'] - train:+.4f})"
 
 
+def _minutes(summary: Mapping) -> str:
+  per_seed = summary.get('minutes_per_seed')
+  if per_seed is None:
+    return f"{summary['minutes']:.1f}"
+  return ', '.join(f'{minutes:.1f} ({machine})' for minutes, machine in per_seed)
+
+
 def table(summaries: Sequence[Mapping], best: Mapping[str, float] | None = None) -> str:
   """The runs' table; the training bits/char column only where a run has it (runs collected
   before it was recorded have not)."""
@@ -617,7 +637,7 @@ def table(summaries: Sequence[Mapping], best: Mapping[str, float] | None = None)
           *train,
           ('params', lambda s: f"{s['params'] / 1e6:.2f}M"),
           ('train PFLOP', lambda s: f"{s['train_flops'] / 1e15:.3f}"),
-          ('minutes per run', lambda s: f"{s['minutes']:.1f}"),
+          ('minutes per run', _minutes),
       ],
   )
 

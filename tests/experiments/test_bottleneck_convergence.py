@@ -545,3 +545,22 @@ def test_seed1_periodic_reads_the_last_periodic_evaluation(tmp_path):
   assert got['fixed_minus_concat_h8']['seed1'] == pytest.approx(-0.1 / math.log(2), abs=2e-4)
   assert got['fixed_minus_concat_h32']['seed0'] == pytest.approx(0.02 - 0.03, abs=1e-9)
   assert json.loads((out / 'seed1_periodic-12000st.json').read_text()) == got
+
+
+def test_minutes_per_run_are_given_per_seed_where_the_seeds_ran_on_different_machines(tmp_path):
+  """A mean of a CPU run's minutes and a GPU run's describes neither: where a row's seeds ran on
+  different machines the column gives each seed's minutes and machine (a GPU run by its GPU,
+  not its host CPU); on one machine, the mean as before."""
+  p, runs = longer_budget(tmp_path)
+  cpu = {'cpu': 'AMD EPYC'}
+  gpu = {'cpu': 'Intel(R) Xeon(R) Processor', 'gpus': ['NVIDIA H200']}
+  for seed, (wall, machine) in enumerate([(2670.0, cpu), (510.0, gpu)]):
+    point = conv.Point(conv.WIDTH_ARM, 3e-3, seed, 24000)
+    runs.append({**fake_run(point, 2.0 + seed / 10), 'wall_time_s': wall, 'machine': machine})
+  text = report(runs, p)
+  # (2670 + 30) / 60 = 45.0 and (510 + 30) / 60 = 9.0 (each run's final evaluation included).
+  assert '| 0.100 | 45.0 (AMD EPYC), 9.0 (NVIDIA H200) |' in text
+  assert '27.0' not in text
+  runs[-1]['machine'] = cpu
+  text = report(runs, p)
+  assert '| 0.100 | 27.0 |' in text
