@@ -24,7 +24,14 @@ import time
 from typing import Any
 
 from experiments.runner import files
-from experiments.runner.files import ATTEMPTS_FILE, DONE_FILE, LOCK_FILE, LOG_FILE, RESULTS_FILE
+from experiments.runner.files import (
+    ATTEMPTS_FILE,
+    DONE_FILE,
+    LOCK_FILE,
+    LOG_FILE,
+    METRICS_FILE,
+    RESULTS_FILE,
+)
 from experiments.runner.provenance import REPO_ROOT, code_version, default_runs_dir, machine
 from experiments.runner.results import another_run, read_run, thin_entry
 
@@ -507,9 +514,8 @@ class _Grid:
           rundir / ATTEMPTS_FILE,
           {'attempt': attempt.number, 'end': _now(), 'returncode': code, 'wall_time_s': wall},
       )
-      # Attempts whose grid was killed outright wrote no end: a lower bound then.
       attempts = files.read_jsonl(rundir / ATTEMPTS_FILE)
-      total = sum(a.get('wall_time_s', 0.0) for a in attempts)
+      total = attempts_wall_time(rundir)
       if code != 0:
         self._fail(
             run,
@@ -560,6 +566,8 @@ class _Grid:
   def _refresh(self, run: Run, entry: dict) -> dict:
     collected = _collect(run, self.rundir(run))
     entry = {key: entry[key] for key in _ENTRY_KEYS if key in entry} | collected
+    if (self.rundir(run) / ATTEMPTS_FILE).exists():  # runs of an old runner may have none
+      entry['wall_time_total_s'] = round(attempts_wall_time(self.rundir(run)), 3)
     files.write_json(self.rundir(run) / DONE_FILE, entry)
     return entry
 
@@ -686,6 +694,36 @@ def _same_command(
     if not re.fullmatch(re.escape(before) + '/.+' + re.escape(after), old):
       return False
   return True
+
+
+def attempts_wall_time(rundir: pathlib.Path) -> float:
+  """Seconds that all of a run's attempts ran. An attempt killed together with its grid (the
+  machine taken away, SIGKILL) wrote no end to attempts.jsonl: its time runs from its start to
+  the last timestamped line the run wrote to metrics.jsonl before the next attempt started, short
+  by at most one logging interval (0 where it wrote none)."""
+  attempts = files.read_jsonl(rundir / ATTEMPTS_FILE)
+  starts = {
+      a['attempt']: datetime.datetime.fromisoformat(a['start']).timestamp()
+      for a in attempts
+      if 'start' in a
+  }
+  ended = {a['attempt']: a.get('wall_time_s', 0.0) for a in attempts if 'end' in a}
+  times = [
+      line['time']
+      for line in files.read_jsonl(rundir / METRICS_FILE)
+      if isinstance(line.get('time'), (int, float))
+  ]
+  total = sum(ended.values())
+  order = sorted(starts)
+  for number, after in zip(order, order[1:] + [None]):
+    if number in ended:
+      continue
+    # Starts are stamped to the second, rounded down: the next attempt's may read up to a second
+    # before this one's last line (a training command writes none in its first second).
+    start, stop = starts[number], starts[after] + 1 if after is not None else float('inf')
+    last = max((t for t in times if start <= t < stop), default=start)
+    total += last - start
+  return total
 
 
 def _collect(run: Run, rundir: pathlib.Path) -> dict[str, Any]:

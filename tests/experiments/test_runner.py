@@ -82,6 +82,68 @@ def test_killed_grid_resumes_without_repeating_finished_runs(tmp_path):
   assert [run['attempts'] for run in results['runs']] == [1, 2]
 
 
+def test_an_attempt_killed_with_its_grid_counts_until_its_last_metrics_line(tmp_path):
+  """A lost machine leaves an attempt without an end in attempts.jsonl; its run time is not
+  zero but runs to the last line the run wrote to metrics.jsonl before the next attempt."""
+  out, runs_dir, second = tmp_path / 'exp', tmp_path / 'runs', tmp_path / 'second.count'
+  kill_grid_once = py(
+      f"""
+      import json, os, signal, sys, time
+      path = {str(second)!r}
+      attempt = len(open(path).read()) + 1 if os.path.exists(path) else 1
+      open(path, 'a').write('x')
+      if attempt == 1:
+        time.sleep(2.5)
+        with open(os.path.join(sys.argv[1], 'metrics.jsonl'), 'a') as f:
+          f.write(json.dumps({{'step': 1, 'split': 'train', 'time': time.time()}}) + '\\n')
+        os.kill(os.getppid(), signal.SIGKILL)
+  """,
+      '{rundir}',
+  )
+  assert grid_in_subprocess([('second', kill_grid_once)], out, runs_dir).returncode < 0
+  rerun = grid_in_subprocess([('second', kill_grid_once)], out, runs_dir)
+  assert rerun.returncode == 0, rerun.stderr
+  (run,) = runner.load_results(out)['runs']
+  assert run['attempts'] == 2
+  # The killed attempt ran at least 2.5 s (its start is stamped to the second, rounded down).
+  assert run['wall_time_total_s'] >= run['wall_time_s'] + 2.5
+  # A run recorded by the old runner (the killed attempt's time left out) gets it at a refresh.
+  done = runs_dir / 'second' / 'DONE'
+  done.write_text(json.dumps({**run, 'wall_time_total_s': run['wall_time_s']}))
+  grid = [runner.Run('second', kill_grid_once)]
+  (refreshed,) = runner.run_grid(grid, out, runs_dir=runs_dir, refresh=True)['runs']
+  assert refreshed['wall_time_total_s'] == run['wall_time_total_s']
+
+
+def test_attempts_wall_time_reads_the_ends_and_dates_the_attempts_without_one(tmp_path):
+  """Ended attempts count their recorded time; one without an end counts from its start to
+  the last metrics line before the next attempt's start (lines of later attempts and lines
+  without a time ignored), or nothing where it wrote none."""
+  start = 1_800_000_000.0
+  stamp = lambda t: runner.grid.datetime.datetime.fromtimestamp(
+      t, runner.grid.datetime.timezone.utc
+  ).isoformat(timespec='seconds')
+  attempts = [
+      {'attempt': 1, 'start': stamp(start)},  # killed at about start + 1000.5
+      {'attempt': 2, 'start': stamp(start + 1000)},  # ended: 100 s
+      {'attempt': 2, 'end': stamp(start + 1100), 'returncode': 143, 'wall_time_s': 100.0},
+      {'attempt': 3, 'start': stamp(start + 2000)},  # killed before writing anything
+      {'attempt': 4, 'start': stamp(start + 3000)},  # killed at about start + 3040
+  ]
+  metrics = [
+      {'step': 0, 'split': 'hparams'},
+      {'step': 10, 'split': 'train', 'time': start + 50},
+      {'step': 20, 'split': 'eval', 'time': start + 200},
+      # Within the second attempt 2's start is stamped to (rounded down): still attempt 1's.
+      {'step': 25, 'split': 'train', 'time': start + 1000.5},
+      {'step': 30, 'split': 'train', 'time': start + 1050},  # attempt 2's
+      {'step': 40, 'split': 'train', 'time': start + 3040},
+  ]
+  for name, lines in (('attempts.jsonl', attempts), ('metrics.jsonl', metrics)):
+    (tmp_path / name).write_text(''.join(json.dumps(line) + '\n' for line in lines))
+  assert runner.grid.attempts_wall_time(tmp_path) == 1000.5 + 100 + 0 + 40
+
+
 def test_sigterm_reaches_the_running_command_and_rerun_resumes_it(tmp_path):
   out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
   first, second = tmp_path / 'first.count', tmp_path / 'second.count'
