@@ -578,13 +578,7 @@ def seed_summary(rows: Sequence[dict]) -> list[dict]:
             'last_change': [r['last_change'] for r in members],
             'train_bits_per_char': None if None in trains else sum(trains) / len(trains),
             'train_flops': members[0]['train_flops'],
-            'minutes': sum(r['minutes'] for r in members) / len(members),
-            # Seeds run on different machines: each one's minutes, not a mean across them.
-            'minutes_per_seed': (
-                [(r['minutes'], r['machine']) for r in members]
-                if len({r['machine'] for r in members}) > 1
-                else None
-            ),
+            'minutes': [(r['minutes'], r['machine']) for r in members],
         }
     )
   return out
@@ -611,9 +605,10 @@ def _train(summary: Mapping) -> str | None:
 
 
 def _minutes(summary: Mapping) -> str:
-  per_seed = summary.get('minutes_per_seed')
-  if per_seed is None:
-    return f"{summary['minutes']:.1f}"
+  """The seeds' mean, or where they ran on different machines each one's, not a mean of both."""
+  per_seed = summary['minutes']
+  if len({machine for _, machine in per_seed}) == 1:
+    return f'{sum(minutes for minutes, _ in per_seed) / len(per_seed):.1f}'
   return ', '.join(f'{minutes:.1f} ({machine})' for minutes, machine in per_seed)
 
 
