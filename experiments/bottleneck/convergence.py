@@ -25,7 +25,11 @@ three stages (`--stage`; `all`, the default, runs them in order):
 A longer budget need not sweep the rates again: `--steps=12000 --rate_steps=3000` trains stages
 seeds and width at 12,000 steps at the rates the 3,000-step sweep picked (its runs must be
 finished, here or in `convergence/results.json`), `--seeds=0` only seed 0. Each budget other
-than the default writes its own README section (`convergence-<steps>st`) and plots.
+than the default writes its own README section (`convergence-<steps>st`) and plots. Whether the
+pick holds at the longer budget: `--steps=24000 --stage=lr` (no `--rate_steps`) sweeps there, and
+`--only=<patterns>` (the runner's) runs part of it on a slow machine, e.g.
+`--only='concat-h32-*-lr0.001-*'`; the section of `--rate_steps` shows those runs in a table of
+their own (fixed_head minus concat at equal rates) once one is at another rate than the pick.
 
 `--dropout=0.1` trains stages seeds and width with dropout 0.1 on the embeddings, every residual
 branch, the MLP's hidden layer and the attention probabilities (BERT's two rates), as runs of
@@ -612,10 +616,12 @@ def _minutes(summary: Mapping) -> str:
   return ', '.join(f'{minutes:.1f} ({machine})' for minutes, machine in per_seed)
 
 
-def table(summaries: Sequence[Mapping], best: Mapping[str, float] | None = None) -> str:
-  """The runs' table; the training bits/char column only where a run has it (runs collected
-  before it was recorded have not)."""
-  mark = lambda s: ' (best)' if best and best.get(s['key']) == s['lr'] else ''
+def table(
+    summaries: Sequence[Mapping], best: Mapping[str, float] | None = None, word: str = 'best'
+) -> str:
+  """The runs' table, each arm's rate in `best` marked with `word`; the training bits/char
+  column only where a run has it (runs collected before it was recorded have not)."""
+  mark = lambda s: f' ({word})' if best and best.get(s['key']) == s['lr'] else ''
   train = [(TRAIN_HEADER, _train)] if any(_train(s) for s in summaries) else []
   return runner.markdown_table(
       summaries,
@@ -796,6 +802,10 @@ def stages_report(plan: Plan, done: Mapping[str, dict], ylabel: str, rel) -> _St
     rates_png = plan.out_dir / f'convergence_rates{rp.tag}.png'
     plot_rates(rows_lr, plan.arms, rates_png, ylabel)
     lines += [f'![learning curves per arm and rate]({rel(rates_png)})', '']
+  check = rate_check(plan, done, ylabel, rel) if rp is not plan and not plan.dropout else None
+  if check:
+    lines += check.lines
+    tables += check.tables
   # Stage seeds.
   rows_seeds = [row(p, done[p.name]) for p in seed_points(best, plan) if p.name in done]
   tables.append(rows_seeds)
@@ -867,7 +877,56 @@ def stages_report(plan: Plan, done: Mapping[str, dict], ylabel: str, rel) -> _St
         lines += [f'No run of {plan.steps} steps{with_dropout} has finished yet.']
   if plan.dropout:
     lines += dropout_effect(plan, trained, done)
-  return _Stages(lines, unique(lr_pts + width_lr + trained), tables, bad)
+  checked = check.points if check else []
+  return _Stages(lines, unique(lr_pts + width_lr + trained + checked), tables, bad)
+
+
+def rate_check(plan: Plan, done: Mapping[str, dict], ylabel: str, rel) -> _Stages | None:
+  """A budget taking its rates from a shorter budget's sweep (`--rate_steps`): stage lr's runs
+  at this budget (seed 0, the width arm's sweep with them) as far as they have run, once one
+  at a rate other than the picked one has: whether the pick holds here, and fixed_head minus
+  concat at equal rates. None before that (the picked rates' runs are stage seeds' seed 0)."""
+  rp, arms = plan.rate_plan, (*plan.arms, WIDTH_ARM)
+  here = dataclasses.replace(rp, steps=plan.steps)
+  picked = _by_key(best_rates(finals(rp, lr_points(rp, arms), done), arms, rp)[0])
+  points = lr_points(here, arms)
+  rows = [row(p, done[p.name]) for p in points if p.name in done]
+  if all(picked.get(r['key']) == r['lr'] for r in rows):
+    return None
+  by = {(s['key'], s['lr']): s for s in seed_summary(rows)}
+  lines = [
+      f'**Stage lr at {plan.steps} steps** (seed 0) as far as it has run, {len(rows)} of '
+      f'{len(points)} runs: does the rate picked at {rp.steps} steps ("picked"; its runs are '
+      "stages seeds' and width's seed 0) hold at this budget?",
+      '',
+      table(list(by.values()), picked, word='picked'),
+  ]
+  best, _ = best_rates(finals(here, points, done), arms, here)
+  lines += [
+      f'- {arm.label}: best at {plan.steps} steps lr {lr:g}, at {rp.steps} steps '
+      f'{picked[arm.key]:g}.'
+      for arm, lr in best.items()
+      if arm.key in picked
+  ]
+  diffs = [
+      difference(by[fixed, lr], by[concat, lr], f'h = {h}, lr {lr:g}')
+      for h in sorted({arm.heads for arm in plan.arms})
+      for fixed, concat in [(Arm(h, head_dim=LENGTH).key, Arm(h).key)]
+      for lr in plan.rates
+      if (fixed, lr) in by and (concat, lr) in by
+  ]
+  if diffs:
+    lines += [
+        '',
+        f'fixed_head minus concat at the same h and rate, {plan.steps} steps (negative: '
+        'fixed_head better):',
+        '',
+        *diffs,
+    ]
+  png = plan.out_dir / f'convergence_rates{plan.tag}.png'
+  plot_rates(rows, arms, png, ylabel)
+  lines += ['', f'![learning curves per arm and rate, {plan.steps} steps]({rel(png)})', '']
+  return _Stages(lines, points, [rows], set())
 
 
 def width_comparison(

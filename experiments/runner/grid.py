@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 import datetime
 import fcntl
+import fnmatch
 import json
 import os
 import pathlib
@@ -138,11 +139,19 @@ def arg_parser(description: str | None, experiment: str) -> argparse.ArgumentPar
   )
   parser.add_argument(
       '--take_runs',
-      type=lambda names: [name for name in names.split(',') if name],
+      type=_comma_list,
       default=[],
       metavar='NAME,...',
       help='runs whose directories hold another run of the command results.json records (run '
       "again elsewhere under the same name): the directories' runs replace the records",
+  )
+  parser.add_argument(
+      '--only',
+      type=_comma_list,
+      default=[],
+      metavar='PATTERN,...',
+      help='start only the runs whose names match one of these shell patterns (fnmatch: '
+      "'concat-h32-*-24000st-s0'); the others wait for another invocation, their records kept",
   )
   parser.add_argument(
       '--plot_only',
@@ -152,6 +161,11 @@ def arg_parser(description: str | None, experiment: str) -> argparse.ArgumentPar
   return parser
 
 
+def _comma_list(text: str) -> list[str]:
+  """'a,,b,' -> ['a', 'b']: a flag's comma-separated names or patterns."""
+  return [item for item in text.split(',') if item]
+
+
 def grid_options(args: argparse.Namespace) -> dict[str, Any]:
   """`run_grid`'s keyword arguments from the flags of `arg_parser`."""
   return {
@@ -159,6 +173,7 @@ def grid_options(args: argparse.Namespace) -> dict[str, Any]:
       'refresh': args.refresh,
       'pin_cpus': args.pin_cpus,
       'take_runs': args.take_runs,
+      'only': args.only,
   }
 
 
@@ -173,6 +188,7 @@ def run_grid(
     refresh: bool = False,
     rerun_lost: bool | Collection[str] = False,
     take_runs: Collection[str] = (),
+    only: Collection[str] = (),
     pin_cpus: bool = False,
     tail_lines: int = 20,
     stop_timeout_s: float = 120.0,
@@ -206,6 +222,10 @@ def run_grid(
     a named run whose directory is gone counts as finished. Names not in `runs` are ignored,
     so that one `--take_runs` serves an experiment's successive grids (a name mistyped leaves
     the record, and the error, as they were).
+  only: shell patterns (`fnmatch`); when given, only the unfinished runs whose names match one
+    are started, the others are left for another invocation (a subset of a grid on a slow
+    machine). Finished runs are collected and recorded as always. A pattern matching no run
+    of the grid gets a line saying so (one `--only` may serve an experiment's several grids).
   pin_cpus: split the CPUs this process may use into `parallel` equal slots, each running
     command bound to one (`sched_setaffinity`); with one CPU per slot, XLA runs single-threaded
     (XLA_FLAGS). On a 2-core CPU two pinned Multi30k trainings make 0.64 steps/s together
@@ -239,7 +259,7 @@ def run_grid(
       tail_lines=tail_lines,
       stop_timeout_s=stop_timeout_s,
   )
-  grid.run(refresh=refresh, rerun_lost=rerun_lost, take_runs=take_runs)
+  grid.run(refresh=refresh, rerun_lost=rerun_lost, take_runs=take_runs, only=only)
   if grid.failed and exit_on_failure:
     raise SystemExit(
         f'grid: {len(grid.failed)} of {len(runs)} runs failed: '
@@ -307,6 +327,7 @@ class _Grid:
       refresh: bool,
       rerun_lost: bool | Collection[str] = False,
       take_runs: Collection[str] = (),
+      only: Collection[str] = (),
   ) -> None:
     again = set() if isinstance(rerun_lost, bool) else set(rerun_lost)
     unknown = sorted(again - {run.name for run in self.runs})
@@ -378,9 +399,19 @@ class _Grid:
           'directory (or its runs other names), or delete their DONE files to run them again.'
       )
     todo = [run for run in self.runs if run.name not in self.done]
+    left = []
+    if only:
+      for pattern in only:
+        if not any(fnmatch.fnmatchcase(run.name, pattern) for run in self.runs):
+          _say(f'grid: --only {pattern!r} matches no run of this grid')
+      picked = [any(fnmatch.fnmatchcase(run.name, p) for p in only) for run in todo]
+      left = [run for run, pick in zip(todo, picked) if not pick]
+      todo = [run for run, pick in zip(todo, picked) if pick]
     _say(
         f'grid: {len(self.runs)} runs in {self.runs_dir}: {len(self.done)} finished, '
-        f'{len(todo)} to run; results in {self.results_path}'
+        f'{len(todo)} to run'
+        + (f', {len(left)} left for another invocation (--only)' if left else '')
+        + f'; results in {self.results_path}'
     )
     self.write_results()
     previous = self._install_signal_handlers()

@@ -285,6 +285,34 @@ def test_a_longer_budget_with_no_width_run_yet_links_no_plot(tmp_path):
   assert 'minus concat D = 256' not in text
 
 
+def test_a_longer_budget_shows_its_own_rate_runs_once_one_leaves_the_picked_rate(tmp_path):
+  """`--rate_steps`: stage lr's runs at the section's own budget (run with `--only` on a slow
+  machine) get a table of their own once one is at a rate other than the 3,000-step pick, with
+  fixed_head minus concat at equal rates and each fully swept arm's best rate at this budget."""
+  p, runs = longer_budget(tmp_path)  # every arm picked 3e-3 at 3,000 steps
+  at = lambda arm, lr, bits: fake_run(conv.Point(arm, lr, 0, 24000), bits)
+  fixed32, concat32 = conv.Arm(32, head_dim=conv.LENGTH), conv.Arm(32)
+  runs += [at(concat32, 3e-3, 2.02), at(fixed32, 3e-3, 2.03)]  # stage seeds' seed 0
+  assert '**Stage lr at 24000 steps**' not in report(runs, p)
+  runs += [at(concat32, 1e-3, 2.00), at(fixed32, 1e-3, 1.95)]
+  text = report(runs, p)
+  assert '**Stage lr at 24000 steps** (seed 0) as far as it has run, 4 of 21 runs' in text
+  assert text.count('| 0.003 (picked) | 24000 |') == 2 and '| 0.001 | 24000 | 1 | 2.0000 |' in text
+  assert '- h = 32, lr 0.001: -0.0500 bits/char' in text
+  assert '- h = 32, lr 0.003: +0.0100 bits/char' in text
+  assert 'best at 24000 steps' not in text  # no arm has all three rates yet
+  assert (p.out_dir / 'convergence_rates-24000st.png').exists()
+  assert '(convergence/convergence_rates-24000st.png)' in text
+  assert text.startswith('25 runs, ')  # the 21 of the sweep and these 4
+  runs.append(at(concat32, 1e-2, 2.30))
+  text = report(runs, p)
+  assert (
+      '- concat, h = 32, d = 8, D = 256: best at 24000 steps lr 0.001, at 3000 steps 0.003.' in text
+  )
+  # The section with dropout reports the sweep without dropout, not this table again.
+  assert '**Stage lr at 24000 steps**' not in report(runs, dataclasses.replace(p, dropout=0.1))
+
+
 def test_the_train_column_shows_where_runs_record_training_bits_and_gives_the_gap(tmp_path):
   """Runs collected with a training curve get the column (seed mean, final minus it); tables
   of runs collected before it (here the 3000-step sweep) keep their old columns."""

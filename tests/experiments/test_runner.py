@@ -665,6 +665,35 @@ def test_rerun_lost_by_name_runs_again_only_the_named_lost_runs(tmp_path):
   assert runner.recorded(out) == {'source', 'other'} and runner.recorded(tmp_path) == set()
 
 
+def test_only_starts_the_matching_runs_and_keeps_the_records_of_the_others(tmp_path, capsys):
+  """`only` (a grid's `--only`): the runs matching a pattern start, the others wait for another
+  invocation; finished runs outside the patterns stay recorded; a pattern matching no run says so.
+  """
+  out, runs_dir = tmp_path / 'exp', tmp_path / 'runs'
+  count = lambda name: py(f"open({str(tmp_path / name)!r}, 'a').write('x')")
+  runs = [runner.Run(name, count(name)) for name in ('a-lr1', 'a-lr3', 'b-lr1', 'b-lr3')]
+  ran = lambda: sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+
+  results = runner.run_grid(runs, out, runs_dir=runs_dir, only=['*-lr3', 'c-*'])
+  assert ran() == ['a-lr3', 'b-lr3']
+  assert names(results) == ['a-lr3', 'b-lr3'] and results['unfinished'] == ['a-lr1', 'b-lr1']
+  assert "--only 'c-*' matches no run of this grid" in capsys.readouterr().out
+
+  results = runner.run_grid(runs, out, runs_dir=runs_dir, only=['b-lr1', 'a-lr3'])
+  assert ran() == ['a-lr3', 'b-lr1', 'b-lr3']
+  assert names(results) == ['a-lr3', 'b-lr1', 'b-lr3']  # grid order; none ran twice
+  assert all((tmp_path / name).read_text() == 'x' for name in ran())
+  said = capsys.readouterr().out
+  assert '1 to run, 1 left for another invocation (--only)' in said
+  assert 'matches no run' not in said  # 'a-lr3' matches a finished run
+
+  results = runner.run_grid(runs, out, runs_dir=runs_dir)  # no patterns: the rest
+  assert ran() == ['a-lr1', 'a-lr3', 'b-lr1', 'b-lr3'] and results['unfinished'] == []
+  # The flag: comma-separated patterns, into run_grid's keyword.
+  args = runner.arg_parser(None, 'exp').parse_args(['--only=concat-h32-*,,fixed*-lr0.003-*'])
+  assert runner.grid_options(args)['only'] == ['concat-h32-*', 'fixed*-lr0.003-*']
+
+
 def test_pinned_runs_each_get_cpus_of_their_own_and_single_threaded_xla(tmp_path):
   usable = sorted(os.sched_getaffinity(0))
   parallel = min(2, len(usable))
