@@ -336,8 +336,6 @@ def test_the_grid_prunes_further_random_orders_in_runs_of_their_own(tmp_path, mo
 def test_the_grids_run_again_the_needed_runs_of_their_own(tmp_path, monkeypatch, script):
   """Both GLUE scripts hand the runner, of the needed runs, those in the grid it runs (the
   first grid holds the originals only)."""
-  import argparse  # pylint: disable=g-import-not-at-top
-
   from experiments import runner  # pylint: disable=g-import-not-at-top
   from experiments.collaborative import glue_reparam  # pylint: disable=g-import-not-at-top
 
@@ -349,15 +347,8 @@ def test_the_grids_run_again_the_needed_runs_of_their_own(tmp_path, monkeypatch,
     return {'runs': [], 'runs_dir': str(runs_dir)}
 
   monkeypatch.setattr(runner, 'run_grid', run_grid)
-  args = argparse.Namespace(
-      out=tmp_path,
-      runs_dir=tmp_path,
-      parallel=1,
-      refresh=False,
-      pin_cpus=False,
-      take_runs=[],
-      plot_only=False,
-  )
+  args = runner.arg_parser(None, script).parse_args([f'--runs_dir={tmp_path}'])
+  args.out = tmp_path
   runs = [runner.Run('mrpc-original-s0', ['true'])]
   module.grid(runs, args, {'mrpc-original-s0', 'mrpc-analyse-s0'})
   assert seen['rerun_lost'] == {'mrpc-original-s0'}

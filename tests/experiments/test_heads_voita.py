@@ -236,7 +236,7 @@ def test_each_stage_starts_after_the_one_it_reads(monkeypatch):
     return {'runs': entries, 'failed': []}
 
   monkeypatch.setattr(run.runner, 'run_grid', fake_grid)
-  args = type('Args', (), {'parallel': 1, 'refresh': False, 'pin_cpus': False, 'take_runs': []})()
+  args = runner.arg_parser(None, 'heads').parse_args([])  # the grid flags' defaults
   run.voita_grid(BASE, RUNS_DIR, pathlib.Path('/out'), s, args)
   first = ['analyse', 'voita-finetune-nogates', 'voita-enc-0.03', 'voita-enc-0.1']
   evals = ['voita-enc-0.03-eval', 'voita-enc-0.1-eval']
@@ -261,7 +261,7 @@ def test_no_stage_starts_before_the_last_one_finished(monkeypatch):
     return {'runs': [{'name': r.name} for r in runs if r.name != 'voita-all-0.3'], 'failed': []}
 
   monkeypatch.setattr(run.runner, 'run_grid', fake_grid)
-  args = type('Args', (), {'parallel': 1, 'refresh': False, 'pin_cpus': False, 'take_runs': []})()
+  args = runner.arg_parser(None, 'heads').parse_args([])  # the grid flags' defaults
   run.voita_grid(BASE, RUNS_DIR, pathlib.Path('/out'), s, args)
   assert calls == [10]
 
