@@ -72,7 +72,7 @@ test-tpu: $(TPU_STAMP)
 # The three benchmarks (each prints ratios against a peer measured in the same run).
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py --out benchmarks/results/attention.md
-	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/train_step.py --out benchmarks/results/train_step.md
 	$(PY) benchmarks/input_pipeline.py --num_batches=500
 
 # pyink (the flax examples' formatter) with the settings in pyproject.toml.

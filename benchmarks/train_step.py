@@ -4,14 +4,16 @@
     .venv/bin/python benchmarks/train_step.py --quick        # fewer repetitions
     .venv/bin/python benchmarks/train_step.py --batch 32 --vocab 32000
     .venv/bin/python benchmarks/train_step.py --nmt_config configs/nmt.py:multi30k
+    .venv/bin/python benchmarks/train_step.py --out benchmarks/results/train_step.md  # also a file
 
 `--nmt_config` times the encoder-decoder of a translation config at its own sizes and batch
 (packed rows, four pairs per row, both sides full: real tokens = all tokens), against an
 encoder-decoder of `nnx.MultiHeadAttention` blocks with the same masks, tied embeddings and
 label smoothing.
 
-Both models have the same sizes, pre-LayerNorm blocks, untied output layer, AdamW with
-gradient clipping, and no dropout. Ours is timed through the real training path
+Both models have the same sizes, pre-LayerNorm blocks, untied output layer, the same optimizer
+(`train.setup`'s schedule, clipping and AdamW, decaying the same parameters: `flax_optimizer`),
+and no dropout. Ours is timed through the real training path
 (`lowrank_attn.train.setup` / `compile_steps`: sharded init, jit with in/out shardings
 and donation, one-device mesh); the baseline is `nnx.Embed` + `nnx.MultiHeadAttention` +
 `nnx.Linear` + `nnx.LayerNorm` with a hand-written step of the same math. Steps alternate
@@ -25,10 +27,14 @@ float32 (config.model.dtype pinned: its default 'auto' would be bfloat16 on an a
 """
 
 import argparse
+import datetime
+import os
 import platform
 import statistics
+import sys
 import time
 
+import flax
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -36,7 +42,7 @@ import numpy as np
 import optax
 
 from lowrank_attn import sharding, train
-from lowrank_attn.train import config as config_lib, metrics
+from lowrank_attn.train import config as config_lib, metrics, optim
 
 
 def our_config(args):
@@ -133,6 +139,22 @@ class FlaxEncoderDecoder(nnx.Module):
     return self.embed.attend(self.decoder_norm(y))
 
 
+def flax_optimizer(config, schedule):
+  """Our optimizer (`train.setup`'s: clipping, AdamW, the schedule) for the flax model's
+  parameters, which have other names and no logical axes: its kernels, embedding and position
+  table decay, as ours do (`optim.PARAMETER_ROLES`)."""
+  decayed = ('kernel', 'embedding', 'positions')
+
+  def decay_mask(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: str(getattr(path[-1], 'key', path[-1])) in decayed,
+        params,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+  return optim.config_optimizer(config, schedule, decay_mask=decay_mask)
+
+
 def flax_step_fn(graphdef, tx, label_smoothing=0.0):
   def step(state, batch):
     def loss_fn(params):
@@ -197,7 +219,7 @@ def make_batch(args):
   }
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--layers', type=int, default=6)
   parser.add_argument('--dim', type=int, default=512)
@@ -207,10 +229,11 @@ def main():
   parser.add_argument('--vocab', type=int, default=8192)
   parser.add_argument('--repeats', type=int, default=20)
   parser.add_argument('--quick', action='store_true', help='5 repetitions')
+  parser.add_argument('--out', help='also write the lines printed, with the command, to this file')
   parser.add_argument(
       '--nmt_config', default=None, help="a translation config, e.g. 'configs/nmt.py:multi30k'"
   )
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   repeats = 5 if args.quick else args.repeats
 
   devices = jax.devices()[:1]
@@ -231,10 +254,13 @@ def main():
   run_ours = ours_step
   flops = 3 * s.flops({k: v.shape for k, v in batch.items()})
 
-  # The flax baseline, same optimizer.
+  # The flax baseline, the same optimizer over its own parameter tree.
   graphdef, params = nnx.split(model, nnx.Param)
-  flax_state = {'params': params, 'opt_state': s.tx.init(params)}
-  flax_step = flax_step_fn(graphdef, s.tx, config.label_smoothing)
+  flax_tx = flax_optimizer(config, s.schedule)
+  # Committed to the device as the step's outputs will be: uncommitted inputs would make the
+  # first timed step compile again.
+  flax_state = jax.device_put({'params': params, 'opt_state': flax_tx.init(params)}, devices[0])
+  flax_step = flax_step_fn(graphdef, flax_tx, config.label_smoothing)
   flax_batch = jax.device_put(batch, devices[0])
   ours_params = sharding.tree_size(ours_state['params'])
   flax_params = sharding.tree_size(params)
@@ -265,29 +291,36 @@ def main():
       if args.nmt_config
       else f'{m.num_decoder_layers} layers'
   )
-  print(
-      f'{platform.processor() or platform.machine()}, {jax.devices()[0].device_kind}, '
-      f'jax {jax.__version__}; {args.nmt_config or "decoder LM"}: {layers}, D={m.emb_dim}, '
-      f'{m.attention.num_heads} heads, batch {batch["inputs"].shape}, vocab {vocab}, float32'
-  )
-  print(
+  lines = [
+      f'{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, '
+      f'{jax.devices()[0].device_kind}, jax {jax.__version__}, flax {flax.__version__}; '
+      f'{args.nmt_config or "decoder LM"}: {layers}, D={m.emb_dim}, '
+      f'{m.attention.num_heads} heads, batch {batch["inputs"].shape}, vocab {vocab}, float32',
       f'{metrics.describe_peak(per_device_peak)}; training step: '
-      f'{flops / 1e9:.1f} GFLOP (3x forward matmuls)'
-  )
-  print(f'parameters: ours {ours_params:,}, flax {flax_params:,}')
-  print(f'{"model":8} {"step ms":>8} {"tokens/s":>10} {"GFLOP/s":>8} {"MFU":>6}')
+      f'{flops / 1e9:.1f} GFLOP (3x forward matmuls)',
+      f'parameters: ours {ours_params:,}, flax {flax_params:,}',
+      f'{"model":8} {"step ms":>8} {"tokens/s":>10} {"GFLOP/s":>8} {"MFU":>6}',
+  ]
   medians = {}
   for name, values in times.items():
     medians[name] = statistics.median(values)
-    print(
+    lines.append(
         f'{name:8} {1e3 * medians[name]:8.1f} {tokens / medians[name]:10,.0f} '
         f'{flops / medians[name] / 1e9:8.1f} '
         + (f'{100 * flops / medians[name] / peak:5.1f}%' if peak else '     -')
     )
-  print(
+  lines.append(
       f'ours / flax throughput: {medians["flax"] / medians["ours"]:.2f}x '
       f'(> 1: ours faster); median of {repeats} interleaved steps each'
   )
+  print('\n'.join(lines))
+  if args.out:
+    command = ' '.join(
+        ['python benchmarks/train_step.py', *(sys.argv[1:] if argv is None else argv)]
+    )
+    header = [f'Command: {command}', f'Date: {datetime.date.today()}', '', '```']
+    with open(args.out, 'w') as f:
+      f.write('\n'.join([*header, *lines, '```']) + '\n')
 
 
 if __name__ == '__main__':

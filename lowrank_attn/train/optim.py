@@ -205,3 +205,19 @@ def make_optimizer(
         )
     )
   return optax.chain(*parts)
+
+
+def config_optimizer(
+    config, schedule: optax.Schedule, *, decay_mask: Any, update_scales: Any = None
+) -> optax.GradientTransformation:
+  """`make_optimizer` with the config's Adam, weight decay and clipping settings."""
+  return make_optimizer(
+      schedule,
+      b1=config.adam_b1,
+      b2=config.adam_b2,
+      eps=config.adam_eps,
+      weight_decay=config.weight_decay,
+      grad_clip_norm=config.grad_clip_norm,
+      decay_mask=decay_mask,
+      update_scales=update_scales,
+  )

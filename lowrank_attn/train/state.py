@@ -139,13 +139,9 @@ def setup(
       decay=config.lr_schedule,
       end_factor=config.end_learning_rate_factor,
   )
-  tx = optim.make_optimizer(
+  tx = optim.config_optimizer(
+      config,
       schedule,
-      b1=config.adam_b1,
-      b2=config.adam_b2,
-      eps=config.adam_eps,
-      weight_decay=config.weight_decay,
-      grad_clip_norm=config.grad_clip_norm,
       decay_mask=optim.weight_decay_mask(abstract_vars),
       update_scales=_update_scales(config, abstract_vars),
   )
