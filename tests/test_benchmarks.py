@@ -26,9 +26,9 @@ def decay_per_step(tx, params):
   )
   state = tx.init(params)
   zeros = jax.tree.map(jnp.zeros_like, params)
-  updated = params
+  updated, update = params, jax.jit(tx.update)
   for _ in range(2):  # the first step is at the warmup's learning rate 0
-    updates, state = tx.update(zeros, state, updated)
+    updates, state = update(zeros, state, updated)
     updated = optax.apply_updates(updated, updates)
   before = np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)])
   after = np.concatenate([np.ravel(x) for x in jax.tree.leaves(updated)])
