@@ -32,9 +32,9 @@ def decay_per_step(tx, params):
     updated = optax.apply_updates(updated, updates)
   before = np.concatenate([np.ravel(x) for x in jax.tree.leaves(params)])
   after = np.concatenate([np.ravel(x) for x in jax.tree.leaves(updated)])
-  loss = 1.0 - after / before
-  moved = loss != 0
-  return int(moved.sum()), float(np.median(loss[moved])), before.size
+  shrink = 1.0 - after / before
+  moved = shrink != 0
+  return int(moved.sum()), float(np.median(shrink[moved])), before.size
 
 
 def test_the_flax_baseline_decays_the_same_parameters_as_ours_at_the_same_rate():
