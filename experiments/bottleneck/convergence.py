@@ -38,15 +38,18 @@ without dropout (at `--rate_steps`; stage lr never trains with dropout), and rep
 against the same run without dropout where that has finished: whether the overfitting of the
 long runs without dropout changes a verdict.
 
-Every run: warmup 12% of its steps (the bottleneck config's 30 of 250, scaled), cosine decay
-over its own length; an evaluation every steps/12 steps on the first 24 validation batches
-(49k characters, the same ones each time: the learning curve), and at the end bits per
-character on the whole validation split (Julius Caesar, Twelfth Night; nats / ln 2 of the
-token-level loss, as the sweep reports it), computed from the final checkpoint when the run's
-results are collected (`evaluate_run`, cached in the run directory). A run has flattened when
-its last periodic evaluation is within 0.01 bits/char of the one steps/12 earlier (the change is
-reported with its sign). Run names hold everything that varies (arm, D, rate, steps, seed), so
-runs of other `--steps` never collide.
+Every run: warmup 12% of its steps (the bottleneck config's 30 of 250, scaled), cosine decay over
+its own length; an evaluation every steps/12 steps on the first 24 validation batches (49k
+characters, the same ones each time: the learning curve), and at the end bits per character on the
+whole validation split (Julius Caesar, Twelfth Night; nats / ln 2 of the token-level loss, as the
+sweep reports it), computed from the final checkpoint when the run's results are collected
+(`evaluate_run`, cached in the run directory), with each validation row's summed loss
+(`validation_rows`). A difference between arms gives a 95% paired bootstrap interval over the
+validation text in blocks of 16 rows (`text_interval`) where every run it compares has its rows;
+runs collected before they were recorded get them from `--refresh` while their final checkpoint
+survives. A run has flattened when its last periodic evaluation is within 0.01 bits/char of the one
+steps/12 earlier (the change is reported with its sign). Run names hold everything that varies
+(arm, D, rate, steps, seed), so runs of other `--steps` never collide.
 
 Results: `convergence/results.json` (the runner's), the plots in `convergence/`, and the
 README section `convergence`. `--smoke`: every stage end to end on 12 steps, two arms and two
@@ -66,7 +69,10 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 from experiments import runner
+from experiments import stats
 from experiments.bottleneck import sweep
 
 HERE = pathlib.Path(__file__).parent
@@ -89,6 +95,10 @@ KEEP_CHECKPOINTS = 2
 # collector checks each run's): sizes the output layer in the FLOPs that set equal compute.
 VOCAB_SIZE = 89
 WHOLE_FILE = 'whole_validation.json'  # <rundir>/: the final evaluation of `evaluate_run`
+# The rows' nll against the evaluation's total: float32 sums over <= 2,048 tokens a batch and
+# ~112 batches err by at most ~2,160 x 2^-24 = 1.3e-4 relative; a lost row moves tokens exactly.
+ROW_SUM_TOL = 1e-3
+BLOCK_ROWS = 16  # text_interval's unit: 16 consecutive rows, 2,048 characters
 SIZE_KEYS = ('params', 'attention_params', 'train_flops_per_token', 'train_flops', 'vocab_size')
 MODULE = 'experiments.bottleneck.convergence'
 SMOKE_STEPS = 12
@@ -432,11 +442,17 @@ def collect(rundir: pathlib.Path, final_batches: int = -1) -> dict:
 
 
 def final_evaluation(rundir: pathlib.Path, batches: int = -1) -> dict:
-  """`evaluate_run`'s record, run in a process of its own once and cached in the run dir."""
+  """`evaluate_run`'s record, run in a process of its own once and cached in the run dir; run
+  again where the cached one predates `validation_rows` and the final checkpoint is still there
+  (the grid's `--refresh` so gives surviving runs their rows)."""
   rundir = pathlib.Path(rundir)
   path = rundir / WHOLE_FILE
   record = runner.files.read_json(path)
-  if record is None or record.get('batches') != batches:
+  steps = (runner.files.read_json(rundir / 'config.json') or {}).get('num_train_steps')
+  rows_missing = record is not None and 'row_nll' not in record
+  if rows_missing and not (rundir / 'checkpoints' / str(steps)).is_dir():
+    rows_missing = False  # keep the record: nothing to score again
+  if record is None or record.get('batches') != batches or rows_missing:
     command = evaluate_command(rundir, batches)
     done = subprocess.run(command, cwd=runner.REPO_ROOT, capture_output=True, text=True)
     if done.returncode != 0:
@@ -479,12 +495,22 @@ def evaluate_run(rundir: pathlib.Path, batches: int = -1) -> dict:
   metrics = {}
   for evaluator in s.task.make_evaluators(context):
     metrics.update(evaluator.evaluate(params, pipeline, batches))
+  rows = validation_rows(context, params, pipeline, batches)
+  if sum(rows['row_tokens']) != metrics['tokens'] or not math.isclose(
+      sum(rows['row_nll']), metrics['loss'] * metrics['tokens'], rel_tol=ROW_SUM_TOL
+  ):
+    raise RuntimeError(
+        f'{rundir}: the rows sum to {sum(rows["row_nll"]):.1f} nats over '
+        f'{sum(rows["row_tokens"])} tokens, the evaluation to '
+        f'{metrics["loss"] * metrics["tokens"]:.1f} over {metrics["tokens"]:.0f}'
+    )
   vocab_size = run.tokenizer.vocab_size
   record = {
       'step': step,
       'split': config.eval_split,
       'batches': batches,
       **metrics,
+      **rows,
       'seconds': round(time.monotonic() - start, 1),
       **sweep.model_size(config, vocab_size),
       'vocab_size': vocab_size,
@@ -492,6 +518,30 @@ def evaluate_run(rundir: pathlib.Path, batches: int = -1) -> dict:
   write_atomic(pathlib.Path(rundir) / WHOLE_FILE, json.dumps(record, indent=1))
   print(json.dumps(record))
   return record
+
+
+def validation_rows(context, params, pipeline, batches: int = -1) -> dict:
+  """Each validation row's summed nll in nats (`row_nll`, 3 decimals) and tokens (`row_tokens`),
+  padding rows left out, in the split's order, and a digest of their targets (`rows_digest`):
+  the units of `text_interval`, which pairs runs row by row only where they saw the same text."""
+  # pylint: disable=import-outside-toplevel
+  import hashlib
+
+  import jax
+
+  from lowrank_attn.train import steps
+
+  s = context.setup
+  row_sums = jax.jit(functools.partial(steps.row_sums, options=s.options))
+  nll, tokens, digest = [], [], hashlib.sha256()
+  for batch in context.batches(pipeline, batches):
+    with s.activate():
+      sums = jax.device_get(row_sums(params, s.global_batch(batch)))
+    keep = np.asarray(sums['weight']) > 0
+    nll += [round(float(x), 3) for x in np.asarray(sums['nll'])[keep]]
+    tokens += [int(x) for x in np.asarray(sums['weight'])[keep]]
+    digest.update(np.asarray(batch['targets'], np.int32)[keep].tobytes())
+  return {'row_nll': nll, 'row_tokens': tokens, 'rows_digest': digest.hexdigest()[:16]}
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -554,7 +604,16 @@ def row(point: Point, result: Mapping) -> dict:
       'minutes': (result['wall_time_s'] + final_s) / 60,
       'machine': result.get('machine', '?'),
       'curve': result.get('curve', []),
+      'rows': _rows(result.get('final_eval') or {}),
   }
+
+
+def _rows(final_eval: Mapping) -> tuple | None:
+  """(row_nll, row_tokens, rows_digest) of `validation_rows`; None for a run collected before
+  they were recorded."""
+  if 'row_nll' not in final_eval:
+    return None
+  return final_eval['row_nll'], final_eval['row_tokens'], final_eval['rows_digest']
 
 
 def seed_summary(rows: Sequence[dict]) -> list[dict]:
@@ -583,6 +642,7 @@ def seed_summary(rows: Sequence[dict]) -> list[dict]:
             'train_bits_per_char': None if None in trains else sum(trains) / len(trains),
             'train_flops': members[0]['train_flops'],
             'minutes': [(r['minutes'], r['machine']) for r in members],
+            'rows': [r.get('rows') for r in members],
         }
     )
   return out
@@ -663,12 +723,50 @@ def difference(a: Mapping, b: Mapping, what: str) -> str:
     verdict = 'larger than both seed ranges'
   else:
     verdict = 'within a seed range'
+  interval = text_interval(a, b, list(paired))
+  note = f"{len(a['values'])} and {len(b['values'])} seeds"
+  if interval is None:
+    shown, note = '', f'{note}, no interval claimed'
+  else:
+    shown = f' [{interval.low:+.4f}, {interval.high:+.4f}]'
+    note = f'{note}; the interval resamples the validation text, not the seeds'
   return (
-      f"- {what}: {delta:+.4f} bits/char{common} ({a['arm']} at lr {a['lr']:g}, {a['steps']} steps: "
-      f"{_bits(a)}; {b['arm']} at lr {b['lr']:g}, {b['steps']} steps: {_bits(b)}; "
-      f"{'; '.join(per_seed) or 'no common seed'}): {verdict} "
-      f"({len(a['values'])} and {len(b['values'])} seeds, no interval claimed)."
+      f"- {what}: {delta:+.4f}{shown} bits/char{common} ({a['arm']} at lr {a['lr']:g}, "
+      f"{a['steps']} steps: {_bits(a)}; {b['arm']} at lr {b['lr']:g}, {b['steps']} steps: "
+      f"{_bits(b)}; {'; '.join(per_seed) or 'no common seed'}): {verdict} ({note})."
   )
+
+
+def text_interval(a: Mapping, b: Mapping, seeds: Sequence[int]) -> stats.Interval | None:
+  """a minus b in bits/char, `seeds` of each averaged, with the 95% paired bootstrap interval
+  over the validation split in blocks of BLOCK_ROWS consecutive rows (neighbouring rows share a
+  scene, so single rows would understate the spread): how much the difference owes to which
+  text was scored, not to training noise (the seed ranges). None unless every run has its rows."""
+  by_seed = [dict(zip(x['seeds'], x.get('rows') or [None] * len(x['seeds']))) for x in (a, b)]
+  runs = [[side[seed] for seed in seeds] for side in by_seed]
+  if not seeds or any(rows is None for side in runs for rows in side):
+    return None
+  if len({rows[2] for side in runs for rows in side}) != 1:
+    raise ValueError(
+        f"{a['arm']} and {b['arm']}: runs scored on different validation rows (digests "
+        f'{sorted({rows[2] for side in runs for rows in side})}): no paired interval'
+    )
+  tokens = np.asarray(runs[0][0][1], np.float64)
+  starts = np.arange(0, len(tokens), BLOCK_ROWS)
+  blocks = lambda values: np.add.reduceat(np.asarray(values, np.float64), starts)
+  block_tokens = blocks(tokens)
+  # [seeds, blocks] nats per arm; the same text gives every run the same tokens.
+  nll_a, nll_b = (np.stack([blocks(rows[0]) for rows in side]) for side in runs)
+
+  def difference(indices):
+    (i,) = indices
+    return (
+        (nll_a[:, i].sum(1).mean() - nll_b[:, i].sum(1).mean())
+        / block_tokens[i].sum()
+        / math.log(2)
+    )
+
+  return stats.bootstrap(difference, [len(starts)])
 
 
 def plot_rates(rows: Sequence[dict], arms: Sequence[Arm], out: pathlib.Path, ylabel: str) -> None:

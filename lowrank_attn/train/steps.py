@@ -119,3 +119,16 @@ def eval_step(
   outputs, aux = task.forward(model, batch, deterministic=True)
   sums = task.loss(outputs, batch, 0.0)
   return {**{k: v for k, v in sums.items() if k != 'objective'}, 'l0_penalty': aux['l0_penalty']}
+
+
+def row_sums(
+    params: PyTree, batch: Mapping[str, jax.Array], *, options: StepOptions
+) -> dict[str, jax.Array]:
+  """`eval_step`'s `nll` and `weight` for each row alone (`[batch]` each): the examples a paired
+  bootstrap resamples (`experiments.stats`). Summed over rows they are `eval_step`'s sums."""
+  task = tasks.get(options.task)
+  model = nnx.merge(options.graphdef, params)
+  outputs, _ = task.forward(model, batch, deterministic=True)
+  one_row = lambda tree: jax.tree.map(lambda x: x[None], tree)
+  sums = jax.vmap(lambda out, row: task.loss(one_row(out), one_row(row), 0.0))(outputs, batch)
+  return {'nll': sums['nll'], 'weight': sums['weight']}

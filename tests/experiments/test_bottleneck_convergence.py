@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import subprocess
 
 import numpy as np
 import pytest
@@ -592,3 +593,154 @@ def test_minutes_per_run_are_given_per_seed_where_the_seeds_ran_on_different_mac
   runs[-1]['machine'] = cpu
   text = report(runs, p)
   assert '| 0.100 | 27.0 |' in text
+
+
+# ------------------------------------------- the paired interval over the validation text
+
+BLOCK = 16  # rows of 128 characters: the README's 2,048-character blocks
+
+
+def _with_rows(arm, nll_per_seed, tokens, digest='same'):
+  """A summary whose seeds carry validation rows (`validation_rows`' record)."""
+  values = [float(np.sum(n) / np.sum(tokens) / np.log(2)) for n in nll_per_seed]
+  return {
+      **_summary(arm, values),
+      'rows': [(list(map(float, n)), list(map(int, tokens)), digest) for n in nll_per_seed],
+  }
+
+
+def _text(rows, seed):
+  """Rows of 128 tokens whose nll (nats) differs from block to block of BLOCK rows."""
+  rng = np.random.default_rng(seed)
+  return np.repeat(rng.normal(1.4, 0.2, rows // BLOCK), BLOCK) * 128 + rng.normal(0, 2, rows)
+
+
+def test_a_constant_gain_per_character_has_an_interval_of_that_gain_alone():
+  """b scores every character 0.01 nats better than a: every resample of the text gives
+  0.01 / ln 2 bits/char, so the interval is that point; identical runs give [0, 0]."""
+  tokens = np.full(160, 128)
+  a = _text(160, 0)
+  line = conv.difference(_with_rows('a', [a], tokens), _with_rows('b', [a - 1.28], tokens), 'x')
+  gain = 0.01 / np.log(2)
+  assert f'- x: {gain:+.4f} [{gain:+.4f}, {gain:+.4f}] bits/char' in line
+  assert 'the interval resamples the validation text' in line and 'no interval claimed' not in line
+  same = conv.difference(_with_rows('a', [a], tokens), _with_rows('b', [a], tokens), 'x')
+  assert '+0.0000 [+0.0000, +0.0000] bits/char' in same
+
+
+def test_the_interval_resamples_blocks_of_rows_and_averages_the_seeds():
+  """Differences shared within each block of BLOCK rows (neighbouring text), independent
+  between blocks: the 95% interval is about the mean block difference +- 1.96 standard errors
+  over blocks (the plain formula), 4x wider than resampling single rows would make it; two
+  seeds per arm enter as their mean on each resample."""
+  blocks = 400
+  rows = blocks * BLOCK
+  tokens = np.full(rows, 128)
+  rng = np.random.default_rng(3)
+  a0, a1 = _text(rows, 1), _text(rows, 2)
+  shift = np.repeat(rng.normal(0.02, 0.3, blocks), BLOCK) * 128  # nats per row
+  b0, b1 = a0 - shift, a1 - shift + 0.64  # seed 1 of b: 0.005 nats/char worse than seed 0
+  a = _with_rows('a', [a0, a1], tokens)
+  b = _with_rows('b', [b0, b1], tokens)
+  interval = conv.text_interval(a, b, [0, 1])
+  per_block = (shift.reshape(blocks, -1).sum(1) - 0.32 * BLOCK) / (128 * BLOCK)
+  mean, se = per_block.mean() / np.log(2), per_block.std(ddof=1) / np.sqrt(blocks) / np.log(2)
+  assert interval.estimate == pytest.approx(a['bits_per_char'] - b['bits_per_char'], abs=1e-9)
+  assert interval.estimate == pytest.approx(mean, abs=1e-9)
+  # The 2.5% quantile of 2,000 resamples errs by sqrt(.025 .975 / 2000) / phi(1.96) = 0.06 standard
+  # errors (the 400 blocks' normal data leave the bootstrap distribution near normal): 4x that.
+  assert interval.low == pytest.approx(mean - 1.96 * se, abs=0.25 * se)
+  assert interval.high == pytest.approx(mean + 1.96 * se, abs=0.25 * se)
+
+
+def test_runs_scored_on_other_rows_or_without_rows_give_no_paired_interval():
+  tokens = np.full(32, 128)
+  a = _with_rows('a', [_text(32, 0)], tokens)
+  with pytest.raises(ValueError, match='different validation rows'):
+    conv.text_interval(a, _with_rows('b', [_text(32, 1)], tokens, digest='other'), [0])
+  assert conv.text_interval(a, _summary('b', [2.0]), [0]) is None  # collected before rows
+  line = conv.difference(a, _summary('b', [2.0]), 'x')
+  assert 'no interval claimed' in line and '[' not in line.split('bits/char')[0]
+
+
+def test_validation_rows_leave_out_padding_and_pair_runs_by_their_text():
+  """`validation_rows` over two batches of a tiny LM, the second ending in rows of padding: one
+  entry per real row, in order, adding up per batch to `eval_step`'s sums; the digest names the
+  text: the same for another model, another once a target token changes."""
+  import functools  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from lowrank_attn import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
+  from lowrank_attn import train  # pylint: disable=g-import-not-at-top
+  from lowrank_attn.train import config as config_lib  # pylint: disable=g-import-not-at-top
+
+  config = config_lib.load(f'{REPO_ROOT / "configs" / "lm.py"}:tiny')
+  for key, value in {'emb_dim': 16, 'mlp_dim': 16, 'num_decoder_layers': 1}.items():
+    config.model[key] = value
+  config.model.attention.num_heads = 2
+  config.mesh.data = 1
+  rng = np.random.default_rng(4)
+
+  def batch(lengths):
+    tokens = rng.integers(1, 64, (4, 17)).astype(np.int32)
+    real = np.arange(16)[None, :] < np.asarray(lengths)[:, None]
+    return {
+        'inputs': tokens[:, :-1] * real,
+        'targets': tokens[:, 1:] * real,
+        'weights': real.astype(np.float32),
+        'segment_ids': real.astype(np.int32),
+        'positions': np.where(real, np.arange(16), 0).astype(np.int32),
+    }
+
+  class Pipeline(list):
+
+    def reset(self):
+      pass
+
+  batches = Pipeline([batch([16, 16, 12, 5]), batch([16, 7, 0, 0])])
+
+  def rows_of(seed, pipeline):
+    config.seed = seed
+    s = train.setup(config, vocab_size=64, bos_id=1, devices=jax.devices()[:1])
+    params = train.create_state(s)['params']
+    sums = jax.jit(functools.partial(train.eval_step, options=s.options))
+    rows = conv.validation_rows(tasks_lib.EvalContext(s, sums, None), params, pipeline)
+    return rows, [float(sums(params, b)['nll']) for b in pipeline]
+
+  rows, batch_nll = rows_of(0, batches)
+  assert rows['row_tokens'] == [16, 16, 12, 5, 16, 7]
+  # Each row rounded to 3 decimals: 4 rows err by at most 0.002 nats of ~100.
+  assert sum(rows['row_nll'][:4]) == pytest.approx(batch_nll[0], abs=2e-3 + 1e-5 * batch_nll[0])
+  assert sum(rows['row_nll'][4:]) == pytest.approx(batch_nll[1], abs=1e-3 + 1e-5 * batch_nll[1])
+  other, _ = rows_of(1, batches)
+  assert other['rows_digest'] == rows['rows_digest'] and other['row_nll'] != rows['row_nll']
+  changed = Pipeline([dict(b) for b in batches])
+  changed[1]['targets'] = changed[1]['targets'].copy()
+  changed[1]['targets'][1, 3] = changed[1]['targets'][1, 3] % 63 + 1
+  assert rows_of(0, changed)[0]['rows_digest'] != rows['rows_digest']
+
+
+def test_an_evaluation_cached_without_rows_is_run_again_only_where_the_final_checkpoint_is(
+    tmp_path, monkeypatch
+):
+  """`final_evaluation` (what `collect` and the grid's --refresh call): a record from before the
+  rows were recorded is kept while the run's final checkpoint is gone, scored again once it is
+  there, and the new record (with rows) is cached."""
+  calls = []
+
+  def evaluate(command, **kwargs):
+    del kwargs
+    calls.append(command)
+    runner.files.write_json(tmp_path / conv.WHOLE_FILE, {'batches': -1, 'row_nll': [1.5]})
+    return subprocess.CompletedProcess(command, 0, '', '')
+
+  monkeypatch.setattr(conv.subprocess, 'run', evaluate)
+  runner.files.write_json(tmp_path / 'config.json', {'num_train_steps': 50})
+  runner.files.write_json(tmp_path / conv.WHOLE_FILE, {'batches': -1, 'loss': 1.0})
+  assert conv.final_evaluation(tmp_path) == {'batches': -1, 'loss': 1.0}
+  (tmp_path / 'checkpoints' / '40').mkdir(parents=True)  # an earlier step's only
+  assert conv.final_evaluation(tmp_path) == {'batches': -1, 'loss': 1.0} and not calls
+  (tmp_path / 'checkpoints' / '50').mkdir()
+  assert conv.final_evaluation(tmp_path)['row_nll'] == [1.5] and len(calls) == 1
+  assert conv.final_evaluation(tmp_path)['row_nll'] == [1.5] and len(calls) == 1

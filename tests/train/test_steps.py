@@ -162,3 +162,54 @@ def test_padded_batches_are_normalised_by_their_real_tokens(helpers):
     np.testing.assert_allclose(metrics['loss'], want_loss, rtol=1e-5, err_msg=f'k={k}')
     np.testing.assert_allclose(metrics['grad_norm'], want_norm, rtol=1e-4, err_msg=f'k={k}')
     assert int(metrics['tokens']) == lengths.sum()
+
+
+def test_row_sums_score_each_row_alone(helpers):
+  """`row_sums`: each row's sum_i w_i (-log p_i) and sum_i w_i, by hand from the model's logits
+  (float64 log-softmax), a row of padding only scoring 0 over 0 tokens; over the rows they add up
+  to `eval_step`'s sums."""
+  from flax import nnx
+
+  config = helpers.override(
+      helpers.load_config('lm', 'tiny'),
+      {
+          **helpers.small_model,
+          'model.num_decoder_layers': 1,
+          'model.emb_dim': 16,
+          'model.mlp_dim': 16,
+      },
+  )
+  config.mesh.data = 1
+  s = train.setup(config, vocab_size=64, bos_id=1, devices=jax.devices()[:1])
+  params = train.create_state(s)['params']
+  rng = np.random.default_rng(2)
+  tokens = rng.integers(1, 64, (4, 17)).astype(np.int32)
+  lengths = np.array([16, 9, 0, 3])
+  real = np.arange(16)[None, :] < lengths[:, None]
+  batch = {
+      'inputs': tokens[:, :-1] * real,
+      'targets': tokens[:, 1:] * real,
+      'weights': real.astype(np.float32) * rng.uniform(0.5, 2.0, (4, 16)).astype(np.float32),
+      'segment_ids': real.astype(np.int32),
+      'positions': np.where(real, np.arange(16), 0).astype(np.int32),
+  }
+  rows = jax.jit(functools.partial(train.steps.row_sums, options=s.options))(params, batch)
+  sums = jax.jit(functools.partial(train.eval_step, options=s.options))(params, batch)
+
+  logits, _ = nnx.merge(s.options.graphdef, params)(
+      jnp.asarray(batch['inputs']),
+      positions=jnp.asarray(batch['positions']),
+      segment_ids=jnp.asarray(batch['segment_ids']),
+      deterministic=True,
+  )
+  shifted = np.asarray(logits, np.float64) - np.max(logits, -1, keepdims=True)
+  log_p = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(log_p, batch['targets'][..., None], -1)[..., 0]
+  want = (nll * batch['weights']).sum(1)
+  assert rows['nll'].shape == rows['weight'].shape == (4,)
+  # float32 logits and sums over <= 16 tokens of a 64-way softmax: a few ulp of each row's sum.
+  np.testing.assert_allclose(rows['nll'], want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(rows['weight'], batch['weights'].sum(1), rtol=1e-6)
+  assert rows['nll'][2] == rows['weight'][2] == 0
+  np.testing.assert_allclose(np.sum(rows['nll']), sums['nll'], rtol=1e-5)
+  np.testing.assert_allclose(np.sum(rows['weight']), sums['weight'], rtol=1e-6)
