@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> None:
       '--take',
       default='',
       help="comma-separated runs whose records in SOURCE replace DEST's (the run was lost "
-      'and made again there)',
+      "and made again there, or collected again there by a grid's --refresh)",
   )
   merge_parser.add_argument(
       '--keep',

@@ -265,10 +265,11 @@ def merge(
   not: the runs a worktree's grid or an accelerator call finished since the two parted.
 
   results.json: a run `dest` does not record is added; one both record as the same run
-  (`another_run`: the same finish time) stays as `dest` has it; one both record as two runs
-  (the run lost and made again) is a conflict, unless `take` names it: then `source`'s record
-  replaces it; or `keep` does: then `dest`'s stays, with its files (the runs `source` finished
-  from its own copy of that run are still added). Any conflict stops the merge before
+  (`another_run`: the same finish time) stays as `dest` has it; one both record as two runs (the
+  run lost and made again) is a conflict, unless `take` names it: then `source`'s record replaces
+  it (as it replaces the record of the same run where `take` names one that a grid's `--refresh`
+  collected again there); or `keep` does: then `dest`'s stays, with its files (the runs `source`
+  finished from its own copy of that run are still added). Any conflict stops the merge before
   anything is written.
   The other files under `source` (e.g. a run's kept predictions): a file `dest` lacks is
   copied, and so is one named after a taken run (`<name>.json`), and none named after a kept
@@ -297,11 +298,11 @@ def merge(
     if name not in merged:
       merged[name] = entry
       out.added.append(name)
-    elif not another_run(merged[name], entry):
-      continue
-    elif name in take:
+    elif name in take:  # made again there, or the same run collected again (--refresh)
       merged[name] = entry
       out.taken.append(name)
+    elif not another_run(merged[name], entry):
+      continue
     elif name in keep:
       out.kept.append(name)
     else:

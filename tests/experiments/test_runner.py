@@ -1073,3 +1073,22 @@ def test_merge_keeps_a_run_recorded_as_another_when_kept(tmp_path):
   assert (dest / 'predictions' / 'c.json').read_text() == '[3]'
   assert not (dest / 'roles' / 'a.json').exists()
   assert json.loads((dest / 'conversions.json').read_text()) == {'a': 0.1, 'b': 0.2, 'c': 0.4}
+
+
+def test_merge_takes_the_record_of_a_run_collected_again_only_when_named(tmp_path):
+  """A worktree's grid ran `--refresh`: its record of `a` is the same run (same finish time)
+  with a new result. A plain merge keeps the destination's record; `--take=a` replaces it."""
+  dest, source = tmp_path / 'main', tmp_path / 'worktree'
+  _experiment(dest, {'a': 'T1', 'b': 'T2'}, {})
+  _experiment(source, {'a': 'T1', 'b': 'T2'}, {})
+  results = json.loads((source / 'results.json').read_text())
+  results['runs'][0]['result'] = {'rows': [1.5, 2.5]}
+  runner.files.write_json(source / 'results.json', results)
+  records = lambda: {e['name']: e for e in json.loads((dest / 'results.json').read_text())['runs']}
+  plain = _merge(source, dest)
+  assert plain.returncode == 0, plain.stderr
+  assert 'result' not in records()['a']
+  taken = _merge(source, dest, 'a')
+  assert taken.returncode == 0, taken.stderr
+  assert records()['a']['result'] == {'rows': [1.5, 2.5]} and 'records taken (1): a' in taken.stdout
+  assert 'result' not in records()['b']
