@@ -47,9 +47,10 @@ sweep reports it), computed from the final checkpoint when the run's results are
 (`validation_rows`). A difference between arms gives a 95% paired bootstrap interval over the
 validation text in blocks of 16 rows (`text_interval`) where every run it compares has its rows;
 runs collected before they were recorded get them from `--refresh` while their final checkpoint
-survives. A run has flattened when its last periodic evaluation is within 0.01 bits/char of the one
-steps/12 earlier (the change is reported with its sign). Run names hold everything that varies
-(arm, D, rate, steps, seed), so runs of other `--steps` never collide.
+survives, or from `--rerun_lost` (trained again) where their directory is gone. A run has flattened
+when its last periodic evaluation is within 0.01 bits/char of the one steps/12 earlier (the change
+is reported with its sign). Run names hold everything that varies (arm, D, rate, steps, seed), so
+runs of other `--steps` never collide.
 
 Results: `convergence/results.json` (the runner's), the plots in `convergence/`, and the
 README section `convergence`. `--smoke`: every stage end to end on 12 steps, two arms and two
@@ -1098,6 +1099,13 @@ def main(argv=None):
       '--steps', type=int, default=STEPS, help='training steps per run (default %(default)s)'
   )
   parser.add_argument(
+      '--rerun_lost',
+      action='store_true',
+      help='run again the runs results.json has but whose run directories are gone, so that '
+      'they record validation rows and their differences get intervals; their old entries '
+      'stand until then',
+  )
+  parser.add_argument(
       '--rate_steps',
       type=int,
       help="pick each arm's rate from the stage-lr sweep of this budget (default: --steps); "
@@ -1147,7 +1155,8 @@ def main(argv=None):
     results = runner.load_results(plan.out_dir)
     failures = {f['name']: f['why'] for f in results.get('failed', [])}
   else:
-    results = run_stages(plan, args.stage, runner.grid_options(args), failures)
+    options = runner.grid_options(args)
+    results = run_stages(plan, args.stage, options, failures, rerun_lost=args.rerun_lost)
   text = report(results, plan, failures)
   if args.smoke:
     (plan.out_dir / 'report.md').write_text(text + '\n')
@@ -1164,10 +1173,15 @@ def main(argv=None):
   return results
 
 
-def run_stages(plan: Plan, stage: str, options: dict, failures: dict) -> dict:
-  """Runs the stage(s) in order; each reads the best rates from the runs finished so far."""
+def run_stages(
+    plan: Plan, stage: str, options: dict, failures: dict, rerun_lost: bool = False
+) -> dict:
+  """Runs the stage(s) in order; each reads the best rates from the runs finished so far.
+  rerun_lost: the runs of this budget that results.json records but whose directories are gone
+  train again (never a shorter budget's rate sweep, whose picks they would move)."""
+  rp = plan.rate_plan
 
-  def grid(points: Iterable[Point]) -> dict:
+  def grid(points: Iterable[Point], sweep_of: Plan = plan) -> dict:
     points = unique(points)
     # A run whose loss became NaN/inf does so again from its checkpoint (resuming is exact).
     skip = diverged(plan, [p.name for p in points], {})
@@ -1175,11 +1189,13 @@ def run_stages(plan: Plan, stage: str, options: dict, failures: dict) -> dict:
     for name in sorted(skip):
       print(f'convergence: not rerunning {name}: it diverged (its log.txt)', flush=True)
     runs = [make_run(p, plan) for p in points if p.name not in skip]
+    again = [run.name for run in runs] if rerun_lost and sweep_of is plan else False
     results = runner.run_grid(
         runs,
         plan.out_dir,
         runs_dir=plan.runs_dir,
         exit_on_failure=False,
+        rerun_lost=again,
         **options,
     )
     failures.update({f['name']: f['why'] for f in results['failed']})
@@ -1197,9 +1213,8 @@ def run_stages(plan: Plan, stage: str, options: dict, failures: dict) -> dict:
     return best
 
   results = None
-  rp = plan.rate_plan
   if stage in ('all', 'lr'):
-    results = grid(lr_points(rp))
+    results = grid(lr_points(rp), rp)
   if stage in ('all', 'seeds'):
     best = picked(lr_points(rp), plan.arms)
     print(f'convergence: best rates {_by_key(best)}', flush=True)
@@ -1207,7 +1222,7 @@ def run_stages(plan: Plan, stage: str, options: dict, failures: dict) -> dict:
       results = grid(seed_points(best, plan))
   if stage in ('all', 'width'):
     sweep_points = lr_points(rp, [WIDTH_ARM, WIDTH_BASELINE])
-    results = grid(sweep_points)
+    results = grid(sweep_points, rp)
     best = picked(sweep_points, (WIDTH_ARM, WIDTH_BASELINE))
     print(f'convergence: width stage rates {_by_key(best)}', flush=True)
     if len(best) == 2:

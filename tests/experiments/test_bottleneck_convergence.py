@@ -402,10 +402,11 @@ def test_a_run_failed_in_one_stage_and_finished_in_a_later_one_is_no_failure(tmp
   assert failures == {}
 
 
-def run_all_stages(p, short, monkeypatch):
+def run_all_stages(p, short, monkeypatch, rerun_lost=False, lost=None):
   """`run_stages(p, 'all')` with the grid faked: `short`'s rate sweep recorded as finished in
   p's results.json, 1e-2 best for every arm (bits/char lowest at the highest rate), the width
-  model twice the baseline's FLOPs. Returns the run names each grid call was given."""
+  model twice the baseline's FLOPs. Returns the run names each grid call was given (and, into
+  `lost`, what each call was told to run again of the runs whose directories are gone)."""
   swept = conv.lr_points(short) + conv.lr_points(short, [conv.WIDTH_ARM])
   runs = [{'name': q.name, 'result': {'bits_per_char': 3.0 - q.lr}} for q in swept]
   p.out_dir.mkdir(exist_ok=True)
@@ -414,13 +415,39 @@ def run_all_stages(p, short, monkeypatch):
 
   def fake_grid(runs, *args, **kwargs):
     calls.append([r.name for r in runs])
+    if lost is not None:
+      lost.append(kwargs['rerun_lost'])
     return {'runs': [], 'failed': [], 'unfinished': []}
 
   monkeypatch.setattr(conv.runner, 'run_grid', fake_grid)
   flops = {conv.WIDTH_ARM: 2.0, conv.WIDTH_BASELINE: 1.0}
   monkeypatch.setattr(conv, 'width_flops', lambda in_subprocess=False: flops)
-  conv.run_stages(p, 'all', {'parallel': 1, 'refresh': False}, failures={})
+  options = {'parallel': 1, 'refresh': False}
+  conv.run_stages(p, 'all', options, failures={}, rerun_lost=rerun_lost)
   return calls
+
+
+def test_rerun_lost_trains_again_the_runs_of_this_budget_never_a_shorter_sweeps(
+    tmp_path, monkeypatch
+):
+  """--rerun_lost (runs recorded, directories gone: trained again to record their rows) at
+  --steps=12000 --rate_steps=3000: the grids of stages seeds and width at 12,000 steps are told
+  to run their lost runs again; the 3,000-step sweeps, whose picks they would move, are not.
+  Without a rate plan the rate sweep is this budget's own; without the flag, nothing."""
+  p = conv.Plan(steps=12000, rate_steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'out')
+  short = conv.Plan(steps=3000, runs_dir=tmp_path, out_dir=tmp_path / 'out')
+  lost = []
+  calls = run_all_stages(p, short, monkeypatch, rerun_lost=True, lost=lost)
+  assert lost == [False, calls[1], False, calls[3]]
+  own = tmp_path / 'own'
+  own.mkdir()
+  lost = []
+  mine = conv.Plan(steps=3000, runs_dir=own, out_dir=own / 'out')
+  calls = run_all_stages(mine, mine, monkeypatch, rerun_lost=True, lost=lost)
+  assert lost[0] == calls[0] == [q.name for q in conv.lr_points(mine)]
+  lost = []
+  run_all_stages(mine, mine, monkeypatch, lost=lost)
+  assert lost and not any(lost)
 
 
 def test_a_longer_budget_takes_its_rates_from_a_shorter_budgets_sweep(tmp_path, monkeypatch):
