@@ -45,7 +45,7 @@ whole validation split (Julius Caesar, Twelfth Night; nats / ln 2 of the token-l
 sweep reports it), computed from the final checkpoint when the run's results are collected
 (`evaluate_run`, cached in the run directory), with each validation row's summed loss
 (`validation_rows`). A difference between arms gives a 95% paired bootstrap interval over the
-validation text in blocks of 16 rows (`text_interval`) where every run it compares has its rows;
+validation text in blocks of 32 rows (`text_interval`) where every run it compares has its rows;
 runs collected before they were recorded get them from `--refresh` while their final checkpoint
 survives, or from `--rerun_lost` (trained again) where their directory is gone. A run has flattened
 when its last periodic evaluation is within 0.01 bits/char of the one steps/12 earlier (the change
@@ -99,7 +99,9 @@ WHOLE_FILE = 'whole_validation.json'  # <rundir>/: the final evaluation of `eval
 # The rows' nll against the evaluation's total: float32 sums over <= 2,048 tokens a batch and
 # ~112 batches err by at most ~2,160 x 2^-24 = 1.3e-4 relative; a lost row moves tokens exactly.
 ROW_SUM_TOL = 1e-3
-BLOCK_ROWS = 16  # text_interval's unit: 16 consecutive rows, 2,048 characters
+# text_interval's unit: 32 consecutive rows, 4,096 characters, past which the per-row
+# differences of runs no longer correlate (`interval_blocks.py`).
+BLOCK_ROWS = 32
 SIZE_KEYS = ('params', 'attention_params', 'train_flops_per_token', 'train_flops', 'vocab_size')
 MODULE = 'experiments.bottleneck.convergence'
 SMOKE_STEPS = 12

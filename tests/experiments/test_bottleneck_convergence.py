@@ -624,7 +624,7 @@ def test_minutes_per_run_are_given_per_seed_where_the_seeds_ran_on_different_mac
 
 # ------------------------------------------- the paired interval over the validation text
 
-BLOCK = 16  # rows of 128 characters: the README's 2,048-character blocks
+BLOCK = 32  # rows of 128 characters: the README's 4,096-character blocks
 
 
 def _with_rows(arm, nll_per_seed, tokens, digest='same'):
@@ -658,8 +658,8 @@ def test_a_constant_gain_per_character_has_an_interval_of_that_gain_alone():
 def test_the_interval_resamples_blocks_of_rows_and_averages_the_seeds():
   """Differences shared within each block of BLOCK rows (neighbouring text), independent
   between blocks: the 95% interval is about the mean block difference +- 1.96 standard errors
-  over blocks (the plain formula), 4x wider than resampling single rows would make it; two
-  seeds per arm enter as their mean on each resample."""
+  over blocks (the plain formula), sqrt(32) = 5.7x wider than resampling single rows would make
+  it; two seeds per arm enter as their mean on each resample."""
   blocks = 400
   rows = blocks * BLOCK
   tokens = np.full(rows, 128)
