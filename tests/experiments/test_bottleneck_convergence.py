@@ -727,11 +727,15 @@ def test_validation_rows_leave_out_padding_and_pair_runs_by_their_text():
 
   batches = Pipeline([batch([16, 16, 12, 5]), batch([16, 7, 0, 0])])
 
+  models = {}
+
   def rows_of(seed, pipeline):
-    config.seed = seed
-    s = train.setup(config, vocab_size=64, bos_id=1, devices=jax.devices()[:1])
-    params = train.create_state(s)['params']
-    sums = jax.jit(functools.partial(train.eval_step, options=s.options))
+    if seed not in models:  # one setup (and compile) per model
+      config.seed = seed
+      s = train.setup(config, vocab_size=64, bos_id=1, devices=jax.devices()[:1])
+      sums = jax.jit(functools.partial(train.eval_step, options=s.options))
+      models[seed] = (s, train.create_state(s)['params'], sums)
+    s, params, sums = models[seed]
     rows = conv.validation_rows(tasks_lib.EvalContext(s, sums, None), params, pipeline)
     return rows, [float(sums(params, b)['nll']) for b in pipeline]
 
