@@ -39,12 +39,12 @@ def pair_statistics(nll_a, nll_b, tokens) -> dict:
   for block in BLOCKS:
     n = len(tokens) // block * block
     a, b, t = (x[:n].reshape(-1, block).sum(1) for x in (nll_a, nll_b, tokens))
-    interval = stats.bootstrap(
-        lambda idx, a=a, b=b, t=t: (a[idx[0]].sum() - b[idx[0]].sum())
-        / t[idx[0]].sum()
-        / math.log(2),
-        [len(t)],
-    )
+
+    def difference(indices, a=a, b=b, t=t):
+      (i,) = indices
+      return (a[i].sum() - b[i].sum()) / t[i].sum() / math.log(2)
+
+    interval = stats.bootstrap(difference, [len(t)])
     widths[block] = round(interval.high - interval.low, 5)
   return {
       'difference': round(float((nll_a.sum() - nll_b.sum()) / tokens.sum() / math.log(2)), 5),
