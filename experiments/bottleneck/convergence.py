@@ -754,12 +754,19 @@ def text_interval(a: Mapping, b: Mapping, seeds: Sequence[int]) -> stats.Interva
         f"{a['arm']} and {b['arm']}: runs scored on different validation rows (digests "
         f'{sorted({rows[2] for side in runs for rows in side})}): no paired interval'
     )
-  tokens = np.asarray(runs[0][0][1], np.float64)
-  starts = np.arange(0, len(tokens), BLOCK_ROWS)
-  blocks = lambda values: np.add.reduceat(np.asarray(values, np.float64), starts)
+  # The same text gives every run the same tokens.
+  return block_interval([r[0] for r in runs[0]], [r[0] for r in runs[1]], runs[0][0][1])
+
+
+def block_interval(nll_a, nll_b, tokens, block_rows: int = BLOCK_ROWS) -> stats.Interval:
+  """a minus b in bits/char from per-row nats (`[seeds][rows]` each, seeds averaged) over rows
+  of `tokens` characters, with the 95% paired bootstrap interval drawing blocks of `block_rows`
+  consecutive rows (the last block holds what is left)."""
+  tokens = np.asarray(tokens, np.float64)
+  starts = np.arange(0, len(tokens), block_rows)
+  blocks = lambda values: np.add.reduceat(np.asarray(values, np.float64), starts, axis=-1)
   block_tokens = blocks(tokens)
-  # [seeds, blocks] nats per arm; the same text gives every run the same tokens.
-  nll_a, nll_b = (np.stack([blocks(rows[0]) for rows in side]) for side in runs)
+  nll_a, nll_b = blocks(nll_a), blocks(nll_b)  # [seeds, blocks]
 
   def difference(indices):
     (i,) = indices

@@ -21,7 +21,6 @@ import pathlib
 import numpy as np
 
 from experiments import runner
-from experiments import stats
 from experiments.bottleneck import convergence
 
 OUT = convergence.OUT / 'interval_blocks.json'
@@ -31,20 +30,14 @@ BLOCKS = (1, 4, 16, 32, 64, 128)
 
 def pair_statistics(nll_a, nll_b, tokens) -> dict:
   """a minus b: bits/char, the lag correlations of the per-row difference per character, and
-  the bootstrap interval's width per block length (the rows past the last whole block left
-  out, as `text_interval` does not; a few rows of 1,789)."""
+  the width of `convergence.block_interval` per block length (the rows past the last whole
+  block left out, so that every block is as long; a few rows of 1,789)."""
   nll_a, nll_b, tokens = (np.asarray(x, np.float64) for x in (nll_a, nll_b, tokens))
   per_char = (nll_a - nll_b) / tokens
   widths = {}
   for block in BLOCKS:
-    n = len(tokens) // block * block
-    a, b, t = (x[:n].reshape(-1, block).sum(1) for x in (nll_a, nll_b, tokens))
-
-    def difference(indices, a=a, b=b, t=t):
-      (i,) = indices
-      return (a[i].sum() - b[i].sum()) / t[i].sum() / math.log(2)
-
-    interval = stats.bootstrap(difference, [len(t)])
+    n = len(tokens) // block * block  # whole blocks only
+    interval = convergence.block_interval([nll_a[:n]], [nll_b[:n]], tokens[:n], block)
     widths[block] = round(interval.high - interval.low, 5)
   return {
       'difference': round(float((nll_a.sum() - nll_b.sum()) / tokens.sum() / math.log(2)), 5),
