@@ -14,17 +14,34 @@ tests (tests/heavy_tests.txt) run in-process but compile too long for it; --unit
 tests that went over its budget.
 """
 
+import atexit
 import functools
 import importlib.util
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 
-os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+# The suite's time goes mostly to XLA compiles. Its programs are built as a run builds them (the
+# same HLO, the same math), but LLVM optimises their machine code less (a quarter shorter
+# compiles, slower code), and tests and pytest workers share compiled programs through JAX's
+# persistent cache in a directory of this test run. (An entry read while another worker still
+# writes it fails to decompress: JAX warns and compiles the program.)
+os.environ.setdefault(
+    'XLA_FLAGS',
+    '--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 '
+    '--xla_llvm_disable_expensive_passes=true',
+)
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:  # (pytest workers inherit the controller's)
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='lowrank_attn_tests_jax_')
+  atexit.register(shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True)
+  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+  os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
 TESTS = pathlib.Path(__file__).resolve().parent
 os.environ.setdefault('LOWRANK_ATTN_DATA', str(TESTS.parents[1] / 'shared' / 'data'))
 import jax.numpy as jnp

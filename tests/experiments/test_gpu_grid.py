@@ -53,7 +53,11 @@ def gpu_grid(tmp_path, *args, deadline, cwd=None, **env):
   if cwd is None:
     cwd = checkout(tmp_path / 'checkout')
   env = {
-      **{k: v for k, v in os.environ.items() if k != 'LOWRANK_ATTN_DATA'},
+      **{  # (the machine's own: the script picks these where they are unset)
+          k: v
+          for k, v in os.environ.items()
+          if k not in ('LOWRANK_ATTN_DATA', 'JAX_COMPILATION_CACHE_DIR')
+      },
       'OUT': str(tmp_path / 'out'),
       'RUNS': str(tmp_path / 'runs'),
       'DEADLINE': str(deadline),

@@ -1,13 +1,11 @@
 """The real loop on the tiny configs: the loss falls, metrics and configs are written."""
 
-import gzip
 import json
 import math
 import os
 
 import jax
 import pytest
-import sacrebleu
 from tensorboard.backend.event_processing import event_accumulator
 
 from lowrank_attn.train import checkpoints, metrics, train
@@ -35,42 +33,11 @@ def lm_run(helpers, tfds_dir, tmp_path_factory):
   return config, result, workdir
 
 
-@pytest.mark.parametrize(
-    'task,overrides',
-    [
-        ('nmt', {'decode.num_examples': 16}),
-        pytest.param('mlm', {}, marks=pytest.mark.slow),
-    ],
-)
-def test_tiny_configs_learn(task, overrides, helpers, tfds_dir, tmp_path, monkeypatch):
-  scored = []  # the strings BLEU was computed on
-  corpus_bleu = sacrebleu.corpus_bleu
-
-  def recording_corpus_bleu(hypotheses, references, **kwargs):
-    scored.append((list(hypotheses), [list(r) for r in references]))
-    return corpus_bleu(hypotheses, references, **kwargs)
-
-  monkeypatch.setattr(sacrebleu, 'corpus_bleu', recording_corpus_bleu)
-  config, result = run_tiny(helpers, task, tmp_path, tfds_dir, **overrides)
+@pytest.mark.slow
+def test_mlm_tiny_learns(helpers, tfds_dir, tmp_path):
+  """(The translation model learns in tests/train/test_translate.py's run, the LM here.)"""
+  config, result = run_tiny(helpers, 'mlm', tmp_path, tfds_dir)
   assert_learned(config, result, tmp_path)
-  if task == 'nmt':
-    assert result['eval']['decoded_examples'] == 16
-    ((hypotheses, (references,)),) = scored
-    assert len(hypotheses) == len(references) == 16
-    # The references are German sentences of the validation split, read here from the raw file
-    # (cut where the targets were truncated to data.max_length tokens).
-    raw = os.path.join(os.environ['LOWRANK_ATTN_DATA'], 'multi30k', 'val.de.gz')
-    with gzip.open(raw, 'rt', encoding='utf-8') as f:
-      german = [line.strip() for line in f]
-    assert all(r and any(line.startswith(r) for line in german) for r in references), references
-    # The reported score is corpus BLEU of those strings, recomputed here.
-    bleu = lambda refs: sacrebleu.metrics.BLEU().corpus_score(hypotheses, [refs]).score
-    assert result['eval']['bleu_greedy'] == pytest.approx(bleu(references), abs=1e-9)
-    # Each translation matches its own reference better than its neighbour's: hypotheses and
-    # references are paired, and the model translates its source (after 100 steps, mostly
-    # frequent words: measured BLEU 2.3 against 0.8 when shifted by one sentence).
-    assert len(set(hypotheses)) > 1, hypotheses
-    assert bleu(references) > bleu(references[1:] + references[:1]) + 0.5, hypotheses
 
 
 def assert_learned(config, result, workdir):

@@ -6,6 +6,7 @@ two extra test files) is trained once for the module; the tests read what it wro
 
 import gzip
 import json
+import math
 import os
 import re
 import subprocess
@@ -76,14 +77,56 @@ def run(helpers, tfds_dir, tmp_path_factory):
           'data.extra_test_files': ','.join(f'{en}:{de}' for en, de in paths.values()),
       },
   )
-  result = train.train_and_evaluate(config, workdir)
+  scored = []  # the strings each BLEU of the periodic evaluations was computed on
+  corpus_bleu = sacrebleu.corpus_bleu
+
+  def recording_corpus_bleu(hypotheses, references, **kwargs):
+    scored.append((list(hypotheses), [list(r) for r in references]))
+    return corpus_bleu(hypotheses, references, **kwargs)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sacrebleu, 'corpus_bleu', recording_corpus_bleu)
+    result = train.train_and_evaluate(config, workdir)
   return types.SimpleNamespace(
       workdir=workdir,
       config=config,
       result=result,
       paths=paths,
       references={name: de for name, (_, de) in extra.items()},
+      scored=scored,
   )
+
+
+def test_the_model_learns_and_the_periodic_bleu_scores_its_translations(run):
+  lines = read_jsonl(run.workdir)
+  first = next(l for l in lines if l['split'] == 'train')
+  final = run.result['eval']
+  assert first['step'] == 1 and run.result['step'] == STEPS
+  # Clearly lower than where it started, and far from guessing uniformly.
+  assert final['loss'] < first['loss'] - 1.0, (first['loss'], final['loss'])
+  assert final['loss'] < 0.75 * math.log(run.result['vocab_size']), final
+  # One BLEU per periodic evaluation, of decode.num_examples translations against German
+  # sentences of the validation split in their order, read here from the raw file (cut where
+  # the targets were truncated to data.max_length tokens)...
+  assert len(run.scored) == STEPS // EVAL_EVERY
+  german = raw_lines(multi30k_file('val.de.gz'))
+  hypotheses, (references,) = run.scored[-1]
+  assert len(hypotheses) == len(references) == 16
+  rows, start = [], 0
+  for r in references:
+    rows.append(next(j for j in range(start, len(german)) if r and german[j].startswith(r)))
+    start = rows[-1] + 1
+  # ... each translation that of its own sentence: the final evaluation (the same parameters)
+  # translated those sentences much as the periodic one did.
+  final_texts = raw_lines(
+      os.path.join(run.workdir, train.FINAL_EVAL_DIR, str(STEPS), 'validation.txt')
+  )
+  own = [final_texts[j] for j in rows]
+  chrf = lambda refs: sacrebleu.metrics.CHRF().corpus_score(hypotheses, [refs]).score
+  assert chrf(own) > chrf(own[1:] + own[:1]) + 20, (chrf(own), hypotheses, own)
+  # The reported score is corpus BLEU of those strings, recomputed here.
+  bleu = sacrebleu.metrics.BLEU().corpus_score(hypotheses, [references]).score
+  assert final['bleu'] == pytest.approx(bleu, abs=1e-9)
 
 
 def test_final_evaluation_reports_every_split_under_its_name(run):
