@@ -85,6 +85,9 @@ def missing_setup() -> list[str]:
 # may say `@pytest.mark.integration` instead.
 INTEGRATION = (
     'data/test_pipeline.py::test_two_jax_processes_prepare_once',
+    'experiments/test_gpu_runs.py',
+    'experiments/test_redraw.py::test_a_redraw_stopped_by_sigterm_removes_its_worktree',
+    'experiments/test_redraw.py::test_redraw_tells_identical_from_differs_and_failed_at_head',
     'experiments/test_runner.py',
     'pruning/test_runs.py',
     'train/test_config.py::test_command_line_rejects_unknown_and_invalid_fields',
