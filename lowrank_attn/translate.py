@@ -173,7 +173,7 @@ class TranslationRun:
         beam_size=beam_size or config.decode.beam_size,
         length_penalty=(config.decode.length_penalty if length_penalty is None else length_penalty),
         max_length=max_length or config.decode.max_length,
-        batch_size=batch_size or decode.default_batch_size(config),
+        batch_size=batch_size or decode.default_batch_size(self.setup),
         source_max_length=config.data.max_length,
     )
 

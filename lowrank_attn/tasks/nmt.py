@@ -183,7 +183,7 @@ class BleuEvaluator(base.Evaluator):
           beam_size=config.decode.beam_size,
           length_penalty=config.decode.length_penalty,
           max_length=config.decode.max_length,
-          batch_size=decode.default_batch_size(config),
+          batch_size=decode.default_batch_size(s),
           source_max_length=config.data.max_length,
       )
     translator = self._translator

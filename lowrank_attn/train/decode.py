@@ -292,9 +292,10 @@ def round_batch_size(s, batch_size: int) -> int:
   return -(-max(batch_size, 1) // shards) * shards
 
 
-def default_batch_size(config) -> int:
-  """Sentences per search call: the evaluation batch of the run (rows per device x devices)."""
-  return config.per_device_batch_size * jax.device_count()
+def default_batch_size(s) -> int:
+  """Sentences per search call: the evaluation batch of the run (rows per device x the
+  devices of its mesh)."""
+  return s.config.per_device_batch_size * s.mesh.size
 
 
 class Translator:

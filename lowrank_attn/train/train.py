@@ -23,7 +23,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from absl import logging
 import jax
@@ -113,8 +113,8 @@ def _initialize_distributed(config) -> None:
     logging.warning('jax.distributed.initialize() failed (%s); continuing as a single host.', e)
 
 
-def _peak_flops(config, dtype) -> metrics_lib.PeakFlops | None:
-  """Peak FLOP/s of all devices, saying where the per-device figure came from: the config or
+def _peak_flops(config, dtype, num_devices: int) -> metrics_lib.PeakFlops | None:
+  """Peak FLOP/s of the run's devices, saying where the per-device figure came from: the config or
   the device's published peak (`metrics.peak_flops_per_device`); None without either."""
   per_device = config.peak_flops_per_device
   if per_device is None:
@@ -124,8 +124,8 @@ def _peak_flops(config, dtype) -> metrics_lib.PeakFlops | None:
   else:
     per_device = metrics_lib.PeakFlops(per_device, 'config.peak_flops_per_device')
   return metrics_lib.PeakFlops(
-      per_device * jax.device_count(),
-      f'{jax.device_count()} x {per_device / 1e9:,.0f} GFLOP/s, ' f'{per_device.source}',
+      per_device * num_devices,
+      f'{num_devices} x {per_device / 1e9:,.0f} GFLOP/s, ' f'{per_device.source}',
   )
 
 
@@ -161,7 +161,9 @@ def _summarise(host: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
   return summary
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, *, devices: Sequence[Any] | None = None
+) -> dict[str, Any]:
   """Trains (resuming from the newest intact checkpoint in `<workdir>/checkpoints`) and
   evaluates; one run per workdir (`checkpoints.WorkdirLock`).
 
@@ -175,6 +177,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Raises `NonFiniteError` on a NaN/inf loss or gradient norm, `Preempted` after SIGTERM or
   SIGINT, `checkpoints.CheckpointError` when a save fails or no checkpoint restores,
   `checkpoints.WorkdirBusyError` when another process runs in `workdir`.
+
+  `devices`: the devices the run's mesh spans (config.mesh resolves against their number;
+  the global batch is per_device_batch_size rows on each); None: all of them (`jax.devices()`).
   """
   config_lib.validate(config)
   _initialize_distributed(config)
@@ -187,7 +192,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     finished = _finished(config, workdir)
     if finished is not None:
       return finished
-    return _train_and_evaluate(config, workdir)
+    return _train_and_evaluate(config, workdir, jax.devices() if devices is None else devices)
   finally:
     lock.release()
 
@@ -213,10 +218,10 @@ def _finished(config, workdir: str) -> dict[str, Any] | None:
   }
 
 
-def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
+def _train_and_evaluate(config, workdir: str, devices: Sequence[Any]) -> dict[str, Any]:
 
   # A micro-batch is per_device_batch_size rows per device; a step takes grad_accum_steps.
-  batch_size = config.per_device_batch_size * jax.device_count()
+  batch_size = config.per_device_batch_size * len(devices)
   pipeline = lambda split, train, rows: tasks_lib.make_pipeline(
       config.data,
       split=split,
@@ -235,9 +240,11 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       for name, split in _final_splits(config).items()
   }
   tokenizer = train_data.tokenizer
-  s = state_lib.setup(config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id)
+  s = state_lib.setup(
+      config, vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id, devices=devices
+  )
   metrics_lib.say(
-      f'mesh {dict(s.mesh.shape)} on {jax.device_count()} '
+      f'mesh {dict(s.mesh.shape)} on {len(devices)} '
       f'{jax.devices()[0].platform} devices, {jax.process_count()} process(es); '
       f'global batch {train_data.global_batch_size}'
   )
@@ -327,7 +334,7 @@ def _progress(s, train_data) -> metrics_lib.Progress:
   config = s.config
   shapes = state_lib.element_shapes(train_data.element_spec, jax.process_count())
   flops_per_step = s.step_flops(shapes)
-  peak = _peak_flops(config, s.model_cfg.compute_dtype)
+  peak = _peak_flops(config, s.model_cfg.compute_dtype, s.mesh.size)
   metrics_lib.say(
       f'{flops_per_step / 1e9:.2f} GFLOP per step (3x forward matmuls), '
       f'{metrics_lib.describe_peak(peak)}'

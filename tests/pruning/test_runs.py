@@ -5,6 +5,7 @@ import json
 import pathlib
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -77,7 +78,7 @@ def test_gate_run_with_every_gate_closed_prunes_to_a_buildable_run(tmp_path):
   config.trainable = 'gate_log_alpha'
   config.decode.beam_size = 1
   source, pruned_dir = str(tmp_path / 'source'), str(tmp_path / 'pruned')
-  train.train_and_evaluate(config, source)
+  train.train_and_evaluate(config, source, devices=jax.devices()[:1])  # (not about meshes)
 
   no_encoder = {'encoder': np.zeros((2, 4), bool)}
   overrides = pruning.prune_run(source, no_encoder, pruned_dir)

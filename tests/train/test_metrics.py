@@ -108,16 +108,18 @@ def test_training_loop_divides_by_the_published_peak_or_none(monkeypatch):
   from lowrank_attn.train import config as config_lib, train
 
   config = config_lib.base_config('lm')
-  assert train._peak_flops(config, jax.numpy.float32) is None  # CPU
+  n = jax.device_count()
+  assert train._peak_flops(config, jax.numpy.float32, n) is None  # CPU
   config.peak_flops_per_device = 1e11
-  peak = train._peak_flops(config, jax.numpy.float32)
-  assert float(peak) == jax.device_count() * 1e11
+  peak = train._peak_flops(config, jax.numpy.float32, n)
+  assert float(peak) == n * 1e11
+  assert float(train._peak_flops(config, jax.numpy.float32, 1)) == 1e11  # a run on one device
   assert peak.source.endswith('config.peak_flops_per_device')
   config.peak_flops_per_device = None
   monkeypatch.setattr(jax, 'local_devices', lambda: [V5E])
-  peak = train._peak_flops(config, jax.numpy.float32)
-  assert float(peak) == jax.device_count() * 197e12
+  peak = train._peak_flops(config, jax.numpy.float32, n)
+  assert float(peak) == n * 197e12
   assert peak.source.startswith(
-      f'{jax.device_count()} x 197,000 GFLOP/s, published bf16 peak '
+      f'{n} x 197,000 GFLOP/s, published bf16 peak '
       'of v5e (https://cloud.google.com/tpu/docs/v5e)'
   )
