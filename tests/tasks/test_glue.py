@@ -22,6 +22,7 @@ from lowrank_attn.tasks import glue
 from lowrank_attn.train import config as config_lib, state as state_lib, train
 
 DATA_DIR = pathlib.Path(os.environ[data.DATA_DIR_ENV])
+ONE_DEVICE = jax.devices()[:1]  # runs through the loop that are not about meshes
 # Example counts of ../shared/data/README.md (MRPC's train.tsv: 3,668 lines with its header).
 COUNTS = {
     'cola': (8551, 1043),
@@ -179,7 +180,7 @@ def test_fine_tuning_runs_through_the_loop_and_reports_the_glue_metrics(tmp_path
   config.num_train_steps = 6
   config.checkpoint_every_steps = 3
   config.num_eval_steps = 2
-  result = train.train_and_evaluate(config, str(tmp_path))
+  result = train.train_and_evaluate(config, str(tmp_path), devices=ONE_DEVICE)
   final = result['final']['validation']
   assert final['examples'] == COUNTS['rte'][1]  # every dev example, once
   assert 0 <= final['accuracy'] <= 100 and final['score'] == final['accuracy']
@@ -211,13 +212,15 @@ def test_one_step_at_learning_rate_zero_scores_the_model_it_starts_from(tmp_path
   config = config_lib.load('configs/glue.py:tiny')
   config.num_train_steps = 3
   config.num_eval_steps = 1
-  first = train.train_and_evaluate(config, str(tmp_path / 'first'))['final']['validation']
+  first = train.train_and_evaluate(config, str(tmp_path / 'first'), devices=ONE_DEVICE)
+  first = first['final']['validation']
   config = config_lib.load('configs/glue.py:tiny')
   config.num_eval_steps = 1
   config.init_from = str(tmp_path / 'first')
   for key, value in glue_reparam.BEFORE.items():
     setattr(config, key, value)
-  again = train.train_and_evaluate(config, str(tmp_path / 'again'))['final']['validation']
+  again = train.train_and_evaluate(config, str(tmp_path / 'again'), devices=ONE_DEVICE)
+  again = again['final']['validation']
   # The same parameters through the same program: equal up to float reassociation.
   assert again['loss'] == pytest.approx(first['loss'], rel=1e-6)
   read = lambda run, step: json.loads(
