@@ -9,6 +9,7 @@ import pytest
 from lowrank_attn import train
 from lowrank_attn.train import checkpoints, state as state_lib
 
+ONE_DEVICE = jax.devices()[:1]  # the runs are not about meshes
 FLAT = lambda params: {
     state_lib.parameter_path(p): np.asarray(v)
     for p, v in jax.tree_util.tree_flatten_with_path(params)[0]
@@ -43,7 +44,7 @@ def small_config(helpers, tfds_dir, **extra):
 @pytest.fixture(scope='module')
 def source_run(helpers, tfds_dir, tmp_path_factory):
   workdir = tmp_path_factory.mktemp('source')
-  train.train_and_evaluate(small_config(helpers, tfds_dir), str(workdir))
+  train.train_and_evaluate(small_config(helpers, tfds_dir), str(workdir), devices=ONE_DEVICE)
   return str(workdir), FLAT(checkpoints.load_state(str(workdir))[1]['params'])
 
 
@@ -99,7 +100,7 @@ def test_frozen_parameters_stay_bitwise_unchanged(source_run, helpers, tfds_dir,
           'checkpoint_every_steps': 3,
       },
   )
-  train.train_and_evaluate(config, str(tmp_path))
+  train.train_and_evaluate(config, str(tmp_path), devices=ONE_DEVICE)
   trained = FLAT(checkpoints.load_state(str(tmp_path))[1]['params'])
   changed = {name for name in source if not np.array_equal(trained[name], source[name])}
   assert changed and all(name.startswith('decoder/layers/1/') for name in changed), changed
@@ -125,12 +126,12 @@ def test_resuming_a_warm_started_run_is_exact(source_run, helpers, tfds_dir, tmp
           'async_checkpointing': False,
       },
   )
-  train.train_and_evaluate(config(), str(tmp_path / 'straight'))
-  train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
+  train.train_and_evaluate(config(), str(tmp_path / 'straight'), devices=ONE_DEVICE)
+  train.train_and_evaluate(config(), str(tmp_path / 'resumed'), devices=ONE_DEVICE)
   # As if killed after step 2's save: no step-4 checkpoint, no final evaluation.
   shutil.rmtree(tmp_path / 'resumed' / 'checkpoints' / '4')
   shutil.rmtree(tmp_path / 'resumed' / 'final_eval')
-  train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
+  train.train_and_evaluate(config(), str(tmp_path / 'resumed'), devices=ONE_DEVICE)
   straight, resumed = (
       FLAT(checkpoints.load_state(str(tmp_path / run), 4)[1]['params'])
       for run in ('straight', 'resumed')
