@@ -114,8 +114,9 @@ def _initialize_distributed(config) -> None:
 
 
 def _peak_flops(config, dtype, num_devices: int) -> metrics_lib.PeakFlops | None:
-  """Peak FLOP/s of the run's devices, saying where the per-device figure came from: the config or
-  the device's published peak (`metrics.peak_flops_per_device`); None without either."""
+  """Peak FLOP/s of the run's `num_devices` devices, saying where the per-device figure came
+  from: the config or the device's published peak (`metrics.peak_flops_per_device`); None
+  without either."""
   per_device = config.peak_flops_per_device
   if per_device is None:
     per_device = metrics_lib.peak_flops_per_device(dtype)
