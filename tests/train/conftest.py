@@ -1,10 +1,13 @@
 """Helpers for the training tests: load config files, shrink them, share prepared data."""
 
+import json
+import math
+import os
 import pathlib
 
 import pytest
 
-from lowrank_attn.train import config as config_lib
+from lowrank_attn.train import config as config_lib, metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -39,11 +42,23 @@ def cli_overrides(values) -> list[str]:
   return [f'--config.{k}={v}' for k, v in values.items()]
 
 
+def assert_learned(config, result, workdir):
+  """A finished run's last evaluation: clearly lower than its first step's loss, and far from
+  guessing uniformly."""
+  with open(os.path.join(workdir, metrics.METRICS_FILE)) as f:
+    first = next(l for l in map(json.loads, f) if l['split'] == 'train')
+  assert first['step'] == 1 and result['step'] == config.num_train_steps
+  final = result['eval']['loss']
+  assert final < first['loss'] - 1.0, (first['loss'], final)
+  assert final < 0.75 * math.log(result['vocab_size']), final
+
+
 class Helpers:
   root = ROOT
   load_config = staticmethod(load_config)
   override = staticmethod(override)
   cli_overrides = staticmethod(cli_overrides)
+  assert_learned = staticmethod(assert_learned)
   small_model = SMALL_MODEL
 
 
