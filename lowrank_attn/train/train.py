@@ -246,7 +246,7 @@ def _train_and_evaluate(config, workdir: str, devices: Sequence[Any]) -> dict[st
   )
   metrics_lib.say(
       f'mesh {dict(s.mesh.shape)} on {len(devices)} '
-      f'{jax.devices()[0].platform} devices, {jax.process_count()} process(es); '
+      f'{devices[0].platform} devices, {jax.process_count()} process(es); '
       f'global batch {train_data.global_batch_size}'
   )
   train_step, eval_step = state_lib.compile_steps(
