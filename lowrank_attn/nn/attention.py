@@ -46,8 +46,10 @@ def _gate_init(log_alpha_init: float | str, num_heads: int):
 class MultiHeadAttention(nnx.Module):
   """Multi-head attention: concat, fixed-head-size, collaborative or talking heads, optionally gated.
 
-  Takes every constructor argument and call argument of `flax.nnx.MultiHeadAttention` (and
-  draws the same initial parameters from the same `rngs` for kind='concat'). Our options are
+  Takes the constructor and call arguments of `flax.nnx.MultiHeadAttention` (and draws the same
+  initial parameters from the same `rngs` for kind='concat'), except those that replace its
+  computation or layout, which raise a ValueError: `attention_fn`, the `*_dot_general(_cls)` and
+  `*_promote_dtype` hooks, and the call's `out_sharding`/`qkv_sharding`. Our options are
   the fields of `lowrank_attn.attention.AttentionSpec`, passed as keywords (`**options`) and
   documented there once: `kind`, `head_dim` (fixed_head, Bhojanapalli et al. 2020), `key_dim`
   and `mixing_init` (collaborative, Cordonnier et al. 2020), `logit_scale`, `gated` and the

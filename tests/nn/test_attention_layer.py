@@ -295,6 +295,7 @@ def test_nnx_jit_and_bfloat16():
     [
         (dict(attention_fn=lambda *a, **k: None), 'attention_fn is not supported'),
         (dict(qkv_dot_general=jax.lax.dot_general), 'qkv_dot_general is not supported'),
+        (dict(out_promote_dtype=lambda *arrays, **_: arrays), 'out_promote_dtype is not supported'),
         (dict(mixing_init='orthogonal'), "mixing_init='orthogonal' is not one of"),
         (dict(dropout_rate=1.0), r'dropout_rate=1.0 must be in \[0, 1\)'),
         (dict(kind='nope'), "kind='nope' is not one of"),
@@ -312,3 +313,6 @@ def test_invalid_call():
     layer(inputs(), None, inputs())
   with pytest.raises(ValueError, match=r'inputs_q has shape \(2, 7, 31\)'):
     layer(inputs((2, 7, 31)))
+  # flax's call-time shardings: ours come from the parameters' logical axes (the README says so)
+  with pytest.raises(ValueError, match='out_sharding/qkv_sharding are not supported'):
+    layer(inputs(), out_sharding=jax.sharding.PartitionSpec())
