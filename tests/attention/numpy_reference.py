@@ -77,24 +77,27 @@ def _layer_norm(x, scale, eps=1e-6):
   return (x - mean) / np.sqrt(var + eps) * scale
 
 
-def attention(params, x, y=None, *, kind, mask=None, head_mask=None, normalize_qk=False):
+def attention(
+    params, x, y=None, *, kind, mask=None, head_mask=None, normalize_qk=False, dtype=np.float64
+):
   """Evaluation-mode multi-head attention of `kind`; returns (out, weights).
 
   x `[batch, q, D]`, y `[batch, k, D_kv]` (default x); mask broadcastable to
   `[batch, heads, q, k]` (True = visible); head_mask `[heads]` factors on head outputs.
-  Gated layers (a 'gate_log_alpha' parameter) scale head i by its eq.-13 gate.
+  Gated layers (a 'gate_log_alpha' parameter) scale head i by its eq.-13 gate. Computed in
+  `dtype` (float64; float32 for `float32_tolerance`).
   """
-  p = {name: np.asarray(value, np.float64) for name, value in params.items()}
-  x = np.asarray(x, np.float64)
-  y = x if y is None else np.asarray(y, np.float64)
-  bias = lambda name, shape: p.get(name, np.zeros(shape))
+  p = {name: np.asarray(value, dtype) for name, value in params.items()}
+  x = np.asarray(x, dtype)
+  y = x if y is None else np.asarray(y, dtype)
+  bias = lambda name, shape: p.get(name, np.zeros(shape, dtype))
   batch, q_len, k_len = x.shape[0], x.shape[1], y.shape[1]
   h, head_dim = p['out_kernel'].shape[:2]
   mask = np.ones((1, 1, 1, 1), bool) if mask is None else np.asarray(mask, bool)
   mask = np.broadcast_to(mask, (batch, h, q_len, k_len))
 
-  logits = np.zeros((batch, h, q_len, k_len))
-  values = np.zeros((batch, h, k_len, head_dim))
+  logits = np.zeros((batch, h, q_len, k_len), dtype)
+  values = np.zeros((batch, h, k_len, head_dim), dtype)
   for b in range(batch):
     for i in range(h):
       if kind == 'collaborative':
@@ -104,7 +107,7 @@ def attention(params, x, y=None, *, kind, mask=None, head_mask=None, normalize_q
         scale = 1.0 / math.sqrt(key_dim / h)
         shared_q = x[b] @ p['query_kernel']
         shared_k = y[b] @ p['key_kernel']
-        content = y[b] @ p['content_bias'][:, i] if 'content_bias' in p else np.zeros(k_len)
+        content = y[b] @ p['content_bias'][:, i] if 'content_bias' in p else np.zeros(k_len, dtype)
         logits[b, i] = scale * ((shared_q * p['mixing'][i]) @ shared_k.T + content[None, :])
         j = i
       else:
@@ -137,7 +140,44 @@ def attention(params, x, y=None, *, kind, mask=None, head_mask=None, normalize_q
     factors = factors * hard_concrete_eval(p['gate_log_alpha'])
   if head_mask is not None:
     factors = factors * np.asarray(head_mask, np.float64)
+  factors = factors.astype(dtype)
   heads = np.einsum('bhqk,bhkd->bqhd', weights, values) * factors[None, None, :, None]
   out = np.einsum('bqhd,hde->bqe', heads, p['out_kernel'])
   out = out + bias('out_bias', out.shape[-1:])
   return out, weights
+
+
+# ------------------------------------------------------------------ float32 tolerances
+
+NOISE_FACTOR = 16
+
+
+def float32_tolerance(params, x, y=None, *, kind, mask=None, head_mask=None, normalize_qk=False):
+  """How far two float32 evaluations of `attention` (the library's and flax's, a cached and a
+  full pass) may differ on these inputs, derived from the rounding of this very computation on
+  this machine: the formula evaluated in float32 by numpy, against float64, measured here.
+
+  XLA sums in other orders and fuses otherwise, so a program may round a few times worse than
+  numpy's (blocked, partly pairwise) sums: NOISE_FACTOR of the largest measured error, at
+  least 4 ulps of the largest output. Tighter than a worst-case bound (gamma_n over the sums
+  of absolute terms: here 10^3-10^4 times the errors seen, too loose to see a logit scale off
+  by 1%), and unlike a fixed atol it follows the inputs' magnitude and the CPU's rounding.
+  Returns (out tolerance, weights tolerance), as `attention` returns (out, weights)."""
+  settings = dict(kind=kind, mask=mask, head_mask=head_mask, normalize_qk=normalize_qk)
+  exact = attention(params, x, y, **settings)
+  rounded = attention(params, x, y, **settings, dtype=np.float32)
+
+  def tolerance(exact, rounded):
+    ulp = np.spacing(np.float32(np.max(np.abs(exact))))
+    return max(NOISE_FACTOR * float(np.max(np.abs(rounded - exact))), 4 * float(ulp))
+
+  return tuple(tolerance(e, r) for e, r in zip(exact, rounded))
+
+
+def assert_within(actual, expected, tolerance):
+  """|actual - expected| <= tolerance everywhere, reporting the worst element."""
+  error = np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64))
+  worst = np.unravel_index(np.argmax(error), error.shape)
+  assert (
+      error[worst] <= tolerance
+  ), f'off by {error[worst]:.3g} at {worst}; float32 rounding explains {tolerance:.3g}'

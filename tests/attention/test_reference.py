@@ -114,8 +114,10 @@ def make_case(name, make_params, seed=0):
   return settings, params, x, y, mask
 
 
-def reference(numpy_reference, settings, params, x, y, mask, head_mask=None):
-  return numpy_reference.attention(
+def reference(numpy_reference, settings, params, x, y, mask, head_mask=None, formula='attention'):
+  """The numpy formulas' (out, weights); with formula='float32_tolerance', how far a float32
+  evaluation may be from them, measured on them."""
+  return getattr(numpy_reference, formula)(
       params,
       x,
       y,
@@ -124,6 +126,10 @@ def reference(numpy_reference, settings, params, x, y, mask, head_mask=None):
       head_mask=head_mask,
       normalize_qk=settings.get('normalize_qk', False),
   )
+
+
+def tolerance(*args, **kwargs):
+  return reference(*args, **kwargs, formula='float32_tolerance')
 
 
 @pytest.mark.parametrize('name', CASES)
@@ -136,9 +142,10 @@ def test_kernel_equals_the_numpy_formulas(name, make_params, numpy_reference):
       )
   )(params, x, y, mask)
   expected_out, expected_weights = reference(numpy_reference, settings, params, x, y, mask)
+  out_tol, weight_tol = tolerance(numpy_reference, settings, params, x, y, mask)
   assert np.all(np.isfinite(result.out))
-  np.testing.assert_allclose(result.weights, expected_weights, atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(result.out, expected_out, atol=1e-5, rtol=1e-5)
+  numpy_reference.assert_within(result.weights, expected_weights, weight_tol)
+  numpy_reference.assert_within(result.out, expected_out, out_tol)
   # No weight on a hidden key, none at all in a row that sees nothing.
   hidden = ~np.broadcast_to(mask, result.weights.shape)
   assert np.all(np.asarray(result.weights)[hidden] == 0.0)
@@ -159,8 +166,9 @@ def test_nnx_layer_equals_the_numpy_formulas(name, make_params, numpy_reference)
   expected_out, expected_weights = reference(
       numpy_reference, settings, params, x, y, mask, head_mask
   )
-  np.testing.assert_allclose(weights, expected_weights, atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(out, expected_out, atol=1e-5, rtol=1e-5)
+  out_tol, weight_tol = tolerance(numpy_reference, settings, params, x, y, mask, head_mask)
+  numpy_reference.assert_within(weights, expected_weights, weight_tol)
+  numpy_reference.assert_within(out, expected_out, out_tol)
 
 
 def test_talking_heads_reference_moves_weight_between_differently_masked_heads(
@@ -225,7 +233,8 @@ def test_cached_decoding_with_a_mask_equals_the_numpy_formulas(
     )
     outs.append(result.out)
     cache = result.cache
-  np.testing.assert_allclose(np.concatenate(outs, 1), expected, atol=1e-5, rtol=1e-5)
+  out_tol, _ = tolerance(numpy_reference, settings, params, x, None, full_mask)
+  numpy_reference.assert_within(np.concatenate(outs, 1), expected, out_tol)
 
 
 @pytest.mark.parametrize('implementation', ['xla', 'blockwise'])
@@ -250,7 +259,10 @@ def test_segment_ids_hide_padding_keys_from_every_query(
           p, x, spec=spec, segment_ids=(s, s), implementation=implementation, block_size=2
       )
   )(params, x, segments).out
-  np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+  # Blockwise rescales its running softmax once per key block: a few roundings more, inside
+  # the tolerance's factor at these 3 blocks.
+  out_tol, _ = tolerance(numpy_reference, settings, params, x, None, visible)
+  numpy_reference.assert_within(out, expected, out_tol)
   # A padding query outputs the output bias alone.
   np.testing.assert_allclose(
       np.asarray(out)[segments == 0], np.broadcast_to(params['out_bias'], (4, 12)), atol=1e-6
