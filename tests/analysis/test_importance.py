@@ -110,13 +110,11 @@ def test_importance_streams_over_batches_weighting_examples_by_tokens():
   joined = {k: np.concatenate([first[k], second[k]]) for k in first}
   streamed, whole = head_importance(model, [first, second]), head_importance(model, [joined])
   for t in TYPES:
-    np.testing.assert_allclose(streamed[t], whole[t], rtol=1e-5)
+    assert_float32_close(streamed[t], whole[t])  # small scores err as much as the largest
   normalised = head_importance(model, [first, second], normalize_layers=True)
   for t in TYPES:
     np.testing.assert_allclose(np.linalg.norm(normalised[t], axis=1), 1.0, rtol=1e-6)
-    np.testing.assert_allclose(
-        normalised[t] * np.linalg.norm(whole[t], axis=1)[:, None], whole[t], rtol=1e-5
-    )
+    assert_float32_close(normalised[t] * np.linalg.norm(whole[t], axis=1)[:, None], whole[t])
 
 
 def numpy_confidence(weights, query_tokens, key_tokens, eos_id=None):

@@ -122,7 +122,13 @@ def test_fit_head_reaches_zero_at_d_equal_n_and_not_at_d_1():
   full = rank.fit_head(x, target, n, steps=600, seed=0)
   one = rank.fit_head(x, target, 1, steps=600, seed=0)
   assert float(full.kl) < 1e-3
-  assert float(one.kl) > 0.3  # measured ~0.7: two of four rows lose their peak
+  # Rank-1 logits a_i b_k put every row's largest weight on argmax b or argmin b: at least two
+  # of the four rows lose their peak. The closest q to such a row p with q_j >= q_t (t its
+  # peak) merges the two, q_t = q_j = (p_t + p_j) / 2, at KL p_t log(2 p_t / (p_t + p_j)) +
+  # p_j log(2 p_j / (p_t + p_j)); the mean over rows is at least half of that.
+  p_t, p_j = target.max(), target.min()
+  lost = p_t * np.log(2 * p_t / (p_t + p_j)) + p_j * np.log(2 * p_j / (p_t + p_j))
+  assert float(one.kl) >= 2 / n * lost - 1e-4  # 0.2516 (measured ~0.7)
   # The reported error is the KL of the returned logits, and those have rank <= d.
   for fit, d in ((full, n), (one, 1)):
     np.testing.assert_allclose(
