@@ -1,8 +1,9 @@
 """Multi-head attention of every kind and the hard-concrete gate, from the papers, in numpy.
 
 Nothing here imports lowrank_attn or reads its defaults: tests compare the library with these
-formulas, written per head with plain loops in float64. Parameters are read by the library's
-names (`spec.param_shapes()`); sizes and the logit scale come from their shapes.
+formulas, written per head with plain loops in float64 (float32 on request: the measured
+rounding behind `float32_tolerance`). Parameters are read by the library's names
+(`spec.param_shapes()`); sizes and the logit scale come from their shapes.
 """
 
 import math
