@@ -114,22 +114,20 @@ def make_case(name, make_params, seed=0):
   return settings, params, x, y, mask
 
 
-def reference(numpy_reference, settings, params, x, y, mask, head_mask=None, formula='attention'):
-  """The numpy formulas' (out, weights); with formula='float32_tolerance', how far a float32
-  evaluation may be from them, measured on them."""
-  return getattr(numpy_reference, formula)(
-      params,
-      x,
-      y,
-      kind=settings['kind'],
-      mask=mask,
-      head_mask=head_mask,
-      normalize_qk=settings.get('normalize_qk', False),
-  )
+def options(settings, mask, head_mask=None):
+  """The numpy formulas' keyword arguments for a case."""
+  normalize_qk = settings.get('normalize_qk', False)
+  return dict(kind=settings['kind'], mask=mask, head_mask=head_mask, normalize_qk=normalize_qk)
 
 
-def tolerance(*args, **kwargs):
-  return reference(*args, **kwargs, formula='float32_tolerance')
+def reference(numpy_reference, settings, params, x, y, mask, head_mask=None):
+  """The numpy formulas' (out, weights)."""
+  return numpy_reference.attention(params, x, y, **options(settings, mask, head_mask))
+
+
+def tolerance(numpy_reference, settings, params, x, y, mask, head_mask=None):
+  """How far a float32 evaluation may be from `reference` (out, weights), measured on it."""
+  return numpy_reference.float32_tolerance(params, x, y, **options(settings, mask, head_mask))
 
 
 @pytest.mark.parametrize('name', CASES)

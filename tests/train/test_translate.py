@@ -164,7 +164,8 @@ def test_final_evaluation_reports_every_split_under_its_name(run):
       # translation scores above the next sentence's reference far more often than chance
       # (z > 3.1: p < 0.001 were the pairing arbitrary, as when translations land on the wrong
       # rows of their batch).
-      sentence = lambda h, r: sacrebleu.metrics.CHRF().sentence_score(h, [r]).score
+      metric = sacrebleu.metrics.CHRF()
+      sentence = lambda h, r: metric.sentence_score(h, [r]).score
       own = [sentence(h, r) for h, r in zip(written, expected)]
       other = [sentence(h, r) for h, r in zip(written, expected[1:] + expected[:1])]
       wins = sum(a > b for a, b in zip(own, other))
