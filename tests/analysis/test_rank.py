@@ -145,8 +145,9 @@ def test_fit_head_reaches_zero_at_d_equal_n_and_not_at_d_1():
   assert full.kl_history[-1] < full.kl_history[0]
 
 
-def test_fit_head_vmaps_over_problems_and_seeds():
-  """A batch of problems is fitted as each one alone (same seed, same result)."""
+def test_fit_head_vmaps_over_problems_and_seeds(numpy_reference):
+  """A batch of problems is fitted as each one alone (same seed, same result, up to what
+  rounding the inputs moves the KL reached after 50 Adam steps)."""
   rng = np.random.default_rng(7)
   x = rng.standard_normal((3, 4, 6)).astype(np.float32)
   targets = np.stack(
@@ -155,8 +156,9 @@ def test_fit_head_vmaps_over_problems_and_seeds():
   batch = rank.fit_head(x, targets, 2, steps=50, seed=np.array([3, 4, 5]))
   assert batch.query_kernel.shape == (3, 6, 2) and batch.kl.shape == (3,)
   for i in range(3):
-    alone = rank.fit_head(x[i], targets[i], 2, steps=50, seed=3 + i)
-    np.testing.assert_allclose(batch.kl[i], alone.kl, rtol=1e-4, atol=1e-6)
+    fit = lambda inputs: rank.fit_head(inputs, targets[i], 2, steps=50, seed=3 + i).kl
+    tolerance = numpy_reference.one_ulp_tolerance(fit, x[i])
+    numpy_reference.assert_within(batch.kl[i], fit(x[i]), tolerance)
 
 
 def test_fit_head_respects_the_mask():

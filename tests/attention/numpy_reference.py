@@ -2,7 +2,8 @@
 
 Nothing here imports lowrank_attn or reads its defaults: tests compare the library with these
 formulas, written per head with plain loops in float64 (float32 on request: the measured
-rounding behind `float32_tolerance`). Parameters are read by the library's names
+rounding behind `float32_tolerance`; `one_ulp_tolerance` for what has no formula here).
+Parameters are read by the library's names
 (`spec.param_shapes()`); sizes and the logit scale come from their shapes.
 """
 
@@ -173,6 +174,28 @@ def float32_tolerance(params, x, y=None, *, kind, mask=None, head_mask=None, nor
     return max(NOISE_FACTOR * float(np.max(np.abs(rounded - exact))), 4 * float(ulp))
 
   return tuple(tolerance(e, r) for e, r in zip(exact, rounded))
+
+
+def one_ulp_tolerance(evaluate, inputs, seed=0):
+  """How far float32 rounding alone can move `evaluate(inputs)`, for computations with no
+  float64 formula to measure against (a whole model, an optimisation): NOISE_FACTOR of the
+  change when every float32 array in the pytree `inputs` moves by one ulp, up or down at
+  random (one rounding of each), at least 4 ulps of the largest output. `evaluate` returns an
+  array; an output that amplifies rounding (a chaotic fit) gets a tolerance to match."""
+  import jax  # only to map over pytrees (a model's parameter state); the rest is numpy
+
+  rng = np.random.default_rng(seed)
+
+  def move(x):
+    x = np.asarray(x)
+    if x.dtype != np.float32:
+      return x
+    return np.where(rng.random(x.shape) < 0.5, np.nextafter(x, np.inf), np.nextafter(x, -np.inf))
+
+  before = np.asarray(evaluate(inputs), np.float64)
+  after = np.asarray(evaluate(jax.tree.map(move, inputs)), np.float64)
+  ulp = np.spacing(np.float32(np.max(np.abs(before))))
+  return max(NOISE_FACTOR * float(np.max(np.abs(after - before))), 4 * float(ulp))
 
 
 def assert_within(actual, expected, tolerance):

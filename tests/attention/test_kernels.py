@@ -38,11 +38,18 @@ def run(params, x, spec, **kwargs):
   return A.multi_head_attention(params, x, spec=spec, **kwargs).out
 
 
-def tolerance(numpy_reference, params, x, spec, mask=None):
-  """How far two float32 programs for `run(params, x, spec, mask=mask)` may differ, from this
-  computation's rounding measured on this machine (`numpy_reference.float32_tolerance`)."""
+def tolerance(numpy_reference, params, x, spec, mask=None, *, y=None, head_mask=None):
+  """How far two float32 programs for `run(params, x, spec, mask=mask, head_mask=head_mask)`
+  may differ, from this computation's rounding measured on this machine
+  (`numpy_reference.float32_tolerance`; leading batch axes of x flattened into one)."""
   return numpy_reference.float32_tolerance(
-      params, x, kind=spec.kind, mask=mask, normalize_qk=spec.normalize_qk
+      params,
+      x.reshape((-1,) + x.shape[-2:]),
+      y,
+      kind=spec.kind,
+      mask=mask,
+      head_mask=head_mask,
+      normalize_qk=spec.normalize_qk,
   )[0]
 
 
@@ -66,7 +73,7 @@ def test_fixed_head_lifts_the_rank_of_each_heads_logits(make_params):
 
 
 @pytest.mark.parametrize('use_bias', [True, False])
-def test_collaborative_concatenate_full_width_is_concat(make_params, use_bias):
+def test_collaborative_concatenate_full_width_is_concat(make_params, numpy_reference, use_bias):
   concat = spec_of(kind='concat', use_bias=use_bias)
   params = make_params(concat)
   collab_params, collab = concat_to_collaborative(params, concat)
@@ -75,11 +82,10 @@ def test_collaborative_concatenate_full_width_is_concat(make_params, use_bias):
   # A.concatenate_mixing, so comparing with it could not fail for a bug in it).
   np.testing.assert_array_equal(collab_params['mixing'], np.repeat(np.eye(4), 4, axis=1))
   x, y = inputs(), inputs((2, 9, 16), seed=2)
-  np.testing.assert_allclose(
+  numpy_reference.assert_within(
       A.multi_head_attention(collab_params, x, y, spec=collab).out,
       A.multi_head_attention(params, x, y, spec=concat).out,
-      atol=2e-5,
-      rtol=1e-5,
+      tolerance(numpy_reference, params, x, concat, y=y),
   )
 
 
@@ -103,16 +109,16 @@ def test_gated_with_all_gates_open_is_its_base_kind(make_params, options):
   )
 
 
-def test_talking_heads_with_identity_mixing_is_concat(make_params):
+def test_talking_heads_with_identity_mixing_is_concat(make_params, numpy_reference):
   concat, talking = spec_of(kind='concat'), spec_of(kind='talking_heads')
   params = make_params(concat)
   identity = {'pre_softmax_mixing': jnp.eye(4), 'post_softmax_mixing': jnp.eye(4)}
   x = inputs()
   mask = jax.random.bernoulli(jax.random.key(3), 0.7, (2, 1, 6, 6))
-  np.testing.assert_allclose(
+  numpy_reference.assert_within(
       run({**params, **identity}, x, talking, mask=mask),
       run(params, x, concat, mask=mask),
-      atol=1e-6,
+      tolerance(numpy_reference, params, x, concat, mask),
   )
 
 
@@ -251,14 +257,18 @@ def test_decoding_under_jit_with_a_traced_index(make_params, numpy_reference):
 # ------------------------------------------------------------------ head masks and importance
 
 
-def test_head_mask_zero_equals_removing_the_head_from_the_output_projection(make_params):
+def test_head_mask_zero_equals_removing_the_head_from_the_output_projection(
+    make_params, numpy_reference
+):
   spec = spec_of()
   params = make_params(spec)
   x = inputs()
   head_mask = jnp.array([1.0, 0.0, 1.0, 1.0])
   pruned = {**params, 'out_kernel': params['out_kernel'].at[1].set(0.0)}
-  np.testing.assert_allclose(
-      run(params, x, spec, head_mask=head_mask), run(pruned, x, spec), atol=1e-6
+  numpy_reference.assert_within(
+      run(params, x, spec, head_mask=head_mask),
+      run(pruned, x, spec),
+      tolerance(numpy_reference, params, x, spec, head_mask=head_mask),
   )
 
 
@@ -311,8 +321,10 @@ def test_training_mode_gates_are_sampled_and_eval_gates_are_fixed(make_params, n
   assert gate == pytest.approx(0.5)
   ungated = dataclasses.replace(spec, gated=False)
   open_params = {k: v for k, v in params.items() if k != 'gate_log_alpha'}
-  np.testing.assert_allclose(
-      run(params, x, spec), run(open_params, x, ungated, head_mask=jnp.full(4, gate)), atol=1e-6
+  numpy_reference.assert_within(
+      run(params, x, spec),
+      run(open_params, x, ungated, head_mask=jnp.full(4, gate)),
+      tolerance(numpy_reference, params, x, spec),
   )
 
 
@@ -320,15 +332,16 @@ def test_training_mode_gates_are_sampled_and_eval_gates_are_fixed(make_params, n
 
 
 @pytest.mark.parametrize('options', KINDS_AND_OPTIONS, ids=IDS)
-def test_jit_vmap_and_grad(make_params, options):
+def test_jit_vmap_and_grad(make_params, numpy_reference, options):
   spec = spec_of(**options)
   params = make_params(spec)
   x = inputs((3, 2, 5, 16))  # two batch dims
   eager = run(params, x, spec, is_causal=True)
   jitted = jax.jit(lambda p, x: run(p, x, spec, is_causal=True))(params, x)
-  np.testing.assert_allclose(jitted, eager, atol=1e-5)
+  rounding = tolerance(numpy_reference, params, x, spec, CAUSAL(5))
+  numpy_reference.assert_within(jitted, eager, rounding)
   vmapped = jax.vmap(lambda x: run(params, x, spec, is_causal=True))(x)
-  np.testing.assert_allclose(vmapped, eager, atol=1e-5)
+  numpy_reference.assert_within(vmapped, eager, rounding)
   check_grads(
       lambda p: run(p, x[0, :1], spec, is_causal=True),
       (params,),

@@ -89,17 +89,29 @@ def test_stops_at_tol():
   assert np.all(history[:-2] - history[1:-1] >= 10 * 1e-3 * history[:-2])
 
 
+@pytest.mark.parametrize('start_seed', range(4))
 @pytest.mark.parametrize('seed', [0, 1, 2])
-def test_at_least_as_good_as_tensorly_parafac(seed):
-  """The paper's code: tensorly's parafac on the dense tensor (here numpy, init='svd')."""
+def test_at_least_as_good_as_tensorly_parafac(seed, start_seed):
+  """The paper's code: tensorly's parafac on the dense tensor (here numpy, init='svd'), at the
+  same budget of 100 sweeps (tol=0: the stopping rule is test_stops_at_tol's). Up to the
+  float32 rounding of our sweeps (1e-6 of the error, the rise a sweep may show in
+  test_error_never_increases_over_iterations), ours is not worse. Start seeds stand in for other CPUs' rounding, which can change the start
+  that wins the screen.
+
+  Not a property of every tensor: ALS has local minima, and the start leading after the
+  screen can end in a worse one. On data seeds 0-19 ours ended worse than parafac by more
+  than 1e-4 in 9 of 80 (tensor, start seed) pairs (by up to 0.015) and better in 38; the
+  README's comparison on MiniLM's layers: no worse in 17 of 18."""
   query, key = random_kernels(D_Q, D_K, HEADS, HEAD_DIM, seed=seed)
   tensor = dense_tensor(query, key)
   tensorly.set_backend('numpy')
   with pytest.warns(UserWarning, match='n_eigenvecs'):  # the heads mode has only 4 vectors
     _, factors = parafac(tensor, RANK, init='svd', n_iter_max=100, random_state=seed)
   theirs = relative_error(tensor, cp_tensor(*factors))
-  ours = collaborative_factors(query, key, RANK).relative_error
-  assert ours <= theirs + 1e-4, (ours, theirs)
+  ours = collaborative_factors(
+      query, key, RANK, num_iterations=100, tol=0.0, seed=start_seed
+  ).relative_error
+  assert ours <= theirs * (1 + 1e-6), (ours, theirs)
 
 
 @pytest.mark.parametrize('key_dim', [16, 19])

@@ -78,7 +78,7 @@ ATTENTION_PATHS = [
 ]
 
 
-def test_full_width_keeps_the_outputs_of_an_encoder_decoder():
+def test_full_width_keeps_the_outputs_of_an_encoder_decoder(numpy_reference):
   model = random_model()
   converted = to_collaborative(model)
   # No buffer is shared (a training step donating one model's arrays must not delete the
@@ -92,12 +92,17 @@ def test_full_width_keeps_the_outputs_of_an_encoder_decoder():
     assert template.logit_scale == pytest.approx((D // H) ** -0.5)
   inputs, targets = translation_batch()
   expected = logits_of(model, inputs, targets)
-  np.testing.assert_allclose(logits_of(converted.model, inputs, targets), expected, atol=1e-5)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tolerance = numpy_reference.one_ulp_tolerance(
+      lambda p: logits_of(nnx.merge(graphdef, p, rest), inputs, targets), params
+  )
+  numpy_reference.assert_within(logits_of(converted.model, inputs, targets), expected, tolerance)
   assert model.cfg.encoder_attention.kind == 'concat'  # the original is left as it was
 
 
-def test_full_width_keeps_the_outputs_of_pretrained_minilm():
-  """The real all-MiniLM-L6-v2: final hidden states to 1e-5 after converting all 6 layers."""
+def test_full_width_keeps_the_outputs_of_pretrained_minilm(numpy_reference):
+  """The real all-MiniLM-L6-v2: final hidden states after converting all 6 layers, within what
+  float32 rounding of its weights moves them (the conversion sums the logits in another order)."""
   path = minilm.get_model_path()
   cfg = bert.bert_config(json.loads((path / 'config.json').read_text()))
   model = models.EncoderMLM(cfg, rngs=nnx.Rngs(0))
@@ -108,9 +113,13 @@ def test_full_width_keeps_the_outputs_of_pretrained_minilm():
   ids = np.random.default_rng(0).integers(1000, cfg.vocab_size, (2, 12)).astype(np.int32)
   ids[:, 0], ids[1, 8:] = 101, 0  # [CLS], padding
   encode = nnx.jit(lambda m, x: m.encode(x)[0])
-  ours, original = np.asarray(encode(converted.model, ids)), np.asarray(encode(model, ids))
   valid = ids != 0
-  np.testing.assert_allclose(ours[valid], original[valid], atol=1e-5)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tolerance = numpy_reference.one_ulp_tolerance(
+      lambda p: encode(nnx.merge(graphdef, p, rest), ids)[valid], params
+  )
+  ours, original = encode(converted.model, ids)[valid], encode(model, ids)[valid]
+  numpy_reference.assert_within(ours, original, tolerance)
 
 
 @pytest.mark.parametrize('conversion', ['collaborative', 'low_rank_concat'])
