@@ -41,6 +41,8 @@ How each kind becomes attention over `query [.., q, heads, dk]`, `key [.., kv, k
     `blockwise.py`). Its cost, measured on an H200 (benchmarks/results/attention_long_gpu.md,
     bfloat16, L = 4096, forward+backward): blockwise talking heads 125 ms, 2.87x blockwise
     concat (44 ms), 7.5x flax's materialising layer (17 ms), 51x concat through cuDNN.
+    A pruned layer (num_logit_heads != num_heads: the post-softmax mix leaves fewer heads than
+    it mixes) only 'xla' computes: blockwise keeps its accumulators per logit head.
 
 Masks: a boolean mask broadcastable to `[batch..., heads, q, kv]`; pass `is_causal=True` rather
 than a causal mask (the kernels build it per block). Segment ids (query, key; 0 = padding) stand
@@ -54,14 +56,16 @@ the first candidate that `check_implementation` accepts for the call computes it
   2. rows of >= FUSED_MIN_LENGTH queries and keys:
        TPU                                            'splash'
        GPU                                            'cudnn': bfloat16/float16, head widths
-                                                        <= 256; collaborative only where cuDNN
+                                                        <= 256 (128 before Hopper: jax's
+                                                        check); collaborative only where cuDNN
                                                         takes values of their own width
                                                       'pallas': what cuDNN refuses (float32,
                                                         collaborative, wider heads)
   3. float32 weights [batch, heads, q, kv] of         'xla'
      <= MATERIALISE_MAX_BYTES (CPU: and rows of
      < CPU_BLOCKWISE_MIN_LENGTH keys)
-  4. otherwise                                        'blockwise'
+  4. otherwise                                        'blockwise' ('xla' for a pruned
+                                                        talking-heads layer)
 
 What no fused kernel computes (talking_heads, attention dropout, a boolean mask for 'splash' or
 'pallas', which take segment ids) falls to rows 3-4. Why these rows:
@@ -126,6 +130,12 @@ def check_implementation(
     raise ValueError(f'block_size={block_size!r} must be an integer >= 1.')
   if implementation == 'xla':
     return
+  if implementation == 'blockwise' and spec.query_heads != spec.num_heads:
+    raise ValueError(
+        f"implementation='blockwise' does not support num_logit_heads={spec.query_heads} "
+        f'with num_heads={spec.num_heads} (a pruned talking-heads layer: its accumulators '
+        "are per logit head); use implementation='xla'."
+    )
   for name, value in (('return_weights', return_weights), ('return_logits', return_logits)):
     if value:
       raise ValueError(
@@ -151,13 +161,17 @@ def check_implementation(
   if implementation == 'cudnn':
     if spec.kind == 'collaborative':
       key_width = spec.key_dim + (spec.num_heads if spec.use_bias else 0)
-      widest = max(fused.cudnn_widths(key_width, spec.head_dim, mla=False))
-      if widest > fused.CUDNN_MAX_WIDTH:
-        unsupported.append(
-            f'head widths above {fused.CUDNN_MAX_WIDTH} (collaborative key_dim={spec.key_dim}'
-            f'{f" + {spec.num_heads} content-bias columns" if spec.use_bias else ""} and '
-            f'head_dim={spec.head_dim} give {widest})'
-        )
+      widths = (
+          f'collaborative key_dim={spec.key_dim}'
+          f'{f" + {spec.num_heads} content-bias columns" if spec.use_bias else ""} and '
+          f'head_dim={spec.head_dim}'
+      )
+    else:
+      key_width, widths = spec.head_dim, f'head_dim={spec.head_dim}'
+    widest = max(fused.cudnn_widths(key_width, spec.head_dim, mla=False))
+    limit = fused.cudnn_max_width()
+    if widest > limit:
+      unsupported.append(f'head widths above {limit} on this GPU ({widths} give {widest})')
     if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
       unsupported.append(
           f'dtype {jnp.dtype(dtype).name} (cuDNN attention needs bfloat16 or ' 'float16)'

@@ -28,6 +28,8 @@ SPLASH_BLOCK = 128
 # cuDNN's head widths: a multiple of 8, at most 256 on Hopper and later (128 before).
 CUDNN_WIDTH_MULTIPLE = 8
 CUDNN_MAX_WIDTH = 256
+CUDNN_MAX_WIDTH_BEFORE_HOPPER = 128
+CUDNN_HOPPER = (9, 0)
 # Values of another width than keys ("mla" in jax): cuDNN >= 9.10 on compute capability >= 9.0.
 CUDNN_MLA_VERSION = 91000
 CUDNN_MLA_CAPABILITY = (9, 0)
@@ -50,6 +52,17 @@ def cudnn_accepts_value_width(
     return False
   capability = tuple(int(part) for part in str(compute_capability).split('.')[:2])
   return cudnn_version >= CUDNN_MLA_VERSION and capability >= CUDNN_MLA_CAPABILITY
+
+
+def cudnn_max_width(compute_capability: str | None = None) -> int:
+  """The widest head cuDNN attention takes on a GPU of `compute_capability` ('8.0'; None: this
+  machine's first GPU, and with none, Hopper's: a call checked for a GPU elsewhere)."""
+  if compute_capability is None:
+    compute_capability = _local_cudnn()[1]
+  if compute_capability is None:
+    return CUDNN_MAX_WIDTH
+  capability = tuple(int(part) for part in str(compute_capability).split('.')[:2])
+  return CUDNN_MAX_WIDTH if capability >= CUDNN_HOPPER else CUDNN_MAX_WIDTH_BEFORE_HOPPER
 
 
 @functools.cache

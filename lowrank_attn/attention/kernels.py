@@ -162,6 +162,10 @@ def init_cache(
 
   Collaborative layers cache one shared key of width key_dim per position instead of
   num_heads keys of width head_dim, plus the per-head key-content bias.
+
+  The caller keeps decoding within `max_length` positions: the cache index is traced, so a step
+  past the end is not caught; its keys overwrite the last slots and the output is wrong (as in
+  flax's layer). Make the cache as long as the longest output.
   """
   batch_shape = tuple(batch_shape)
   h, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim

@@ -110,11 +110,23 @@ class GlueFormat(RowFormat):
   name = 'glue'
 
   def check_config(self, config):
-    glue_task(config.name)
+    task, spec = glue_task(config.name)
     if config.tokenizer != 'wordpiece':
       raise ValueError(
           f"tokenizer={config.tokenizer!r}: GLUE rows are BERT's [CLS] a [SEP] b "
           "[SEP]; use tokenizer='wordpiece'."
+      )
+    sentences = len(spec.sentence_columns)
+    if config.max_length < 1 + 2 * sentences:
+      raise ValueError(
+          f'max_length={config.max_length} is too short for {task}: a row needs [CLS] and, '
+          f'for each of its {sentences} sentence(s), a token and [SEP] '
+          f'(max_length >= {1 + 2 * sentences}).'
+      )
+    if config.extra_test_files:
+      raise ValueError(
+          f'extra_test_files={config.extra_test_files!r}: GLUE is scored against labels, '
+          'which text files do not carry; evaluate other sets as GLUE tasks of their own.'
       )
 
   def file_features(self, config, text_feature):
@@ -339,7 +351,8 @@ class GlueEvaluator(base.Evaluator):
 
   def final(self, params, pipeline, name):
     """The metrics, and `<name>_predictions.json` (every example's prediction and label, in
-    the split's order) for paired comparisons of runs (e.g. bootstrap intervals)."""
+    the split's order when one process evaluates; with several, in the global batches' row
+    order) for paired comparisons of runs (e.g. bootstrap intervals)."""
     predictions, labels = self._predict_split(params, pipeline, -1)
     metrics = (
         glue_metrics(glue_task(self.context.setup.config.data.name)[0], predictions, labels)
@@ -354,11 +367,14 @@ class GlueEvaluator(base.Evaluator):
     s = self.context.setup
     predictions, labels = [], []
     for batch in self.context.batches(pipeline, num_batches):
+      global_batch = s.global_batch(batch)
       with s.activate():
-        out = self._predict(params, s.global_batch(batch))
+        out = self._predict(params, global_batch)
+      # Labels from the same global arrays as the predictions: with several processes, the
+      # mesh's device order (not the process order) sets the global batch's row order.
       out, targets, weights = (
           np.asarray(multihost_utils.process_allgather(x, tiled=True))
-          for x in (out, batch['targets'], batch['weights'])
+          for x in (out, global_batch['targets'], global_batch['weights'])
       )
       keep = weights > 0
       predictions.append(out[keep])

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -41,7 +42,8 @@ PyTree = Any
 
 
 class NonFiniteError(FloatingPointError):
-  """The loss or gradient norm became NaN/inf; the run stopped without saving that state."""
+  """The loss, the gradient norm or (before a save) a parameter became NaN/inf; the run stopped
+  without saving that state."""
 
 
 class Preempted(Exception):
@@ -155,6 +157,30 @@ def _host_metrics(
   return out
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  return jax.tree.reduce(lambda ok, x: ok & jnp.all(jnp.isfinite(x)), tree, jnp.bool_(True))
+
+
+def _check_before_saving(state, step: int, checkpointer: checkpoints.Checkpointer) -> None:
+  """NonFiniteError if `state`'s parameters are not all finite. The step metrics see the
+  parameters before each update; an update can still make them inf/NaN (a learning rate that
+  overflows float32, adam_eps=0 on a zero gradient), and that state must not become the newest
+  checkpoint, which resumes and garbage collection trust."""
+  if bool(_all_finite(state['params'])):
+    return
+  checkpointer.wait()  # a save in flight (of parameters checked before it) commits first
+  saved = (
+      f'the last good checkpoint is step {checkpointer.last_good} in {checkpointer.directory}'
+      if checkpointer.last_good is not None
+      else 'no checkpoint was written'
+  )
+  raise NonFiniteError(
+      f'step {step}: non-finite parameters after the update; stopping the run without saving '
+      f'them ({saved}). Lower the learning rate, check adam_eps > 0, or enable grad_clip_norm.'
+  )
+
+
 def _summarise(host: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
   """Mean of each metric over steps, tokens summed."""
   summary = {k: float(np.mean([v[k] for _, v in host])) for k in host[0][1]}
@@ -256,7 +282,6 @@ def _train_and_evaluate(config, workdir: str, devices: Sequence[Any]) -> dict[st
   checkpointer = checkpoints.Checkpointer(
       workdir, keep=config.keep_checkpoints, async_save=config.async_checkpointing
   )
-  checkpoints.save_config(workdir, config_lib.to_dict(config))
   writer = metrics_lib.MetricWriter(workdir)
   preemption = checkpoints.PreemptionWatcher()
   evaluators = s.task.make_evaluators(
@@ -264,6 +289,9 @@ def _train_and_evaluate(config, workdir: str, devices: Sequence[Any]) -> dict[st
   )
   try:
     state, start_step = _start(s, checkpointer, train_data, writer)
+    # Written once the checkpoints are known to fit this config: a rerun refused for another
+    # config leaves the one they were written with.
+    checkpoints.save_config(workdir, config_lib.to_dict(config))
     evaluate_all = lambda params: _evaluate_all(
         evaluators, params, eval_data, config.num_eval_steps
     )
@@ -273,6 +301,9 @@ def _train_and_evaluate(config, workdir: str, devices: Sequence[Any]) -> dict[st
     step = result['step']
     result['final'] = {}
     if step == config.num_train_steps:
+      # The final checkpoint committed first: a recorded final evaluation marks the run as
+      # finished, and a rerun would never write a checkpoint whose save failed.
+      checkpointer.wait()
       # Not yet recorded: the first time, or a run stopped during its final evaluation. With
       # no split to evaluate it records {}: the mark of a finished run (`_finished`).
       recorded = _recorded_final(workdir, step, list(final_data))
@@ -306,6 +337,7 @@ def _train_and_evaluate(config, workdir: str, devices: Sequence[Any]) -> dict[st
 def _stop(preemption, checkpointer, step: int, state, train_data, during: str) -> Preempted:
   """After a stop request: saves `state` as step `step` (unless that step is committed or being
   saved already), waits until it is committed; the exception to raise."""
+  _check_before_saving(state, step, checkpointer)
   checkpointer.save(step, state, train_data.get_state())
   checkpointer.wait()
   return Preempted(step, checkpointer.directory, during=during, exit_status=preemption.exit_status)
@@ -320,6 +352,12 @@ def _start(s, checkpointer, train_data, writer):
   if latest is None:
     writer.write_hparams(config_lib.to_dict(s.config))  # once per run, not per resume
     state = state_lib.create_state(s)
+  elif latest > s.config.num_train_steps:
+    raise ValueError(
+        f'num_train_steps={s.config.num_train_steps} is below the checkpoint at step {latest} '
+        f'in {checkpointer.directory}: nothing would train, and no final evaluation would run. '
+        'Rerun with num_train_steps >= that step, or use a new --workdir.'
+    )
   else:
     train_data.set_state(data_state)
     metrics_lib.say(f'resumed from step {latest} ({checkpointer.directory})')
@@ -414,6 +452,7 @@ def _train_loop(
     if due.show:
       progress.show(done, host[-1][1]['loss'], rates)
     if due.save:
+      _check_before_saving(state, done, checkpointer)
       checkpointer.save(done, state, train_data.get_state())
       last_saved = done
     if due.eval:

@@ -85,11 +85,13 @@ def test_weights_that_would_not_fit_go_blockwise():
   # The documented threshold, 1 GiB: batch 8, 8 heads, L = 2048 is 1 GiB of float32 weights.
   assert choose(s, 2048, batch=8, platform='gpu') == 'xla'
   assert choose(s, 2048, batch=9, platform='gpu') == 'blockwise'
-  # Fewer output heads than logit heads (a pruned talking-heads layer): the logit heads count.
+  # Fewer output heads than logit heads (a pruned talking-heads layer): the logit heads count,
+  # and 'blockwise' cannot compute it, so 'xla' materialises them past the limit.
   pruned = AttentionSpec(
       num_heads=2, num_logit_heads=8, head_dim=64, in_features=512, kind='talking_heads'
   )
-  assert choose(pruned, 256, batch=batch + 1, platform='gpu') == 'blockwise'
+  assert dispatch.weights_bytes(pruned, batch + 1, 256, 256) > limit
+  assert choose(pruned, 256, batch=batch + 1, platform='gpu') == 'xla'
 
 
 @pytest.mark.parametrize('platform', ['cpu', 'gpu', 'tpu'])
@@ -146,6 +148,27 @@ def test_every_choice_can_compute_its_call():
     flags = dict(zip(flag_names, flags))
     chosen = choose(s, length, platform=platform, dtype=dtype, **flags)
     dispatch.check_implementation(chosen, s, platform=platform, dtype=dtype, **flags)
+
+
+@pytest.mark.parametrize('num_heads', [2, 3])
+def test_a_pruned_talking_heads_layer_is_computed_by_xla(num_heads):
+  """num_logit_heads != num_heads (what pruning a talking-heads layer leaves): 'blockwise'
+  refuses it by name (it crashed), and on CPU 'auto' at 512 keys, where it would pick
+  'blockwise', computes it as 'xla' does."""
+  s = AttentionSpec(
+      num_heads=num_heads, num_logit_heads=4, head_dim=2, in_features=6, kind='talking_heads'
+  )
+  with pytest.raises(ValueError, match=r'num_logit_heads=4 with num_heads=%d' % num_heads):
+    dispatch.check_implementation('blockwise', s, platform='cpu')
+  assert choose(s, 512, platform='cpu', dtype=F32, batch=1) == 'xla'
+  params = {
+      name: jax.random.normal(jax.random.key(i), shape) / 3
+      for i, (name, shape) in enumerate(s.param_shapes().items())
+  }
+  x = jax.random.normal(jax.random.key(9), (1, 512, 6))
+  auto = kernels.multi_head_attention(params, x, spec=s, platform='cpu').out
+  xla = kernels.multi_head_attention(params, x, spec=s, implementation='xla').out
+  np.testing.assert_array_equal(auto, xla)
 
 
 def test_auto_must_be_resolved_before_it_is_checked():

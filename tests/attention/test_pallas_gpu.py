@@ -100,7 +100,7 @@ def test_kernel_equals_the_materialising_formula(dtype, is_causal, key_heads):
   f32 = lambda x: x.astype(jnp.float32)
   expected, expected_grads = value_and_grads(
       lambda q, k, v, b: reference(q, k, v, b, ids, is_causal),
-      *map(f32, (query, key, value, key_bias))
+      *map(f32, (query, key, value, key_bias)),
   )
   assert out.dtype == dtype and out.shape == (2, LQ, H, 5)
   eps = float(jnp.finfo(dtype).eps)
@@ -256,10 +256,35 @@ def test_cudnn_accepts_collaborative_up_to_its_widest_head():
   wide = A.AttentionSpec(num_heads=4, in_features=512, kind='collaborative', key_dim=256)
   with pytest.raises(
       ValueError,
-      match=r'head widths above 256 \(collaborative key_dim=256 \+ '
+      match=r'head widths above 256 on this GPU \(collaborative key_dim=256 \+ '
       r'4 content-bias columns and head_dim=128 give 264\)',
   ):
     dispatch.check_implementation('cudnn', wide, dtype=jnp.bfloat16, platform='gpu')
+
+
+@pytest.mark.parametrize(
+    'kind,options,width',
+    [('fixed_head', dict(head_dim=512), 512), ('concat', dict(num_heads=2), 320)],
+)
+def test_cudnn_refuses_wider_heads_of_every_kind(kind, options, width):
+  """jax's cuDNN check (`check_is_flash_attention`: head dim <= 256 from Hopper on, 128
+  before) would fail on the GPU at trace time; 'auto' must pick another kernel instead."""
+  s = A.AttentionSpec(**{'num_heads': 8, 'in_features': 640, 'kind': kind, **options})
+  with pytest.raises(ValueError, match=rf'head widths above 256 on this GPU \(head_dim={width}'):
+    dispatch.check_implementation('cudnn', s, dtype=jnp.bfloat16, platform='gpu')
+  choice = dispatch.choose_implementation(
+      s, q_length=512, kv_length=512, dtype=jnp.bfloat16, platform='gpu'
+  )
+  assert choice != 'cudnn'
+
+
+def test_cudnn_width_limit_before_hopper(monkeypatch):
+  assert fused.cudnn_max_width('8.0') == fused.cudnn_max_width('8.9') == 128
+  assert fused.cudnn_max_width('9.0') == fused.cudnn_max_width('10.0') == 256
+  monkeypatch.setattr(fused, '_local_cudnn', lambda: (90100, '8.0'))  # an A100
+  s = A.AttentionSpec(num_heads=4, in_features=768, kind='concat')  # head_dim 192
+  with pytest.raises(ValueError, match=r'head widths above 128 on this GPU \(head_dim=192'):
+    dispatch.check_implementation('cudnn', s, dtype=jnp.bfloat16, platform='gpu')
 
 
 @pytest.mark.parametrize('mla', [True, False], ids=['mla', 'padded'])

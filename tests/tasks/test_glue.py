@@ -1,6 +1,7 @@
 """The GLUE task: files, encoding, metrics and loss against independent references, the
 pretrained MiniLM's zero-shot STS-B score, and a fine-tune through the training loop."""
 
+import contextlib
 import csv
 import json
 import os
@@ -18,7 +19,7 @@ from experiments.glue import zero_shot
 from lowrank_attn import data, tasks
 from lowrank_attn.data.builders import glue as glue_data
 from lowrank_attn.models import bert
-from lowrank_attn.tasks import glue
+from lowrank_attn.tasks import base, glue
 from lowrank_attn.train import config as config_lib, state as state_lib, train
 
 DATA_DIR = pathlib.Path(os.environ[data.DATA_DIR_ENV])
@@ -200,6 +201,93 @@ def test_a_non_glue_data_set_is_refused():
   config.data.name = 'multi30k'
   with pytest.raises(ValueError, match=r"data.name='multi30k' is not a GLUE task"):
     config_lib.validate(config)
+
+
+@pytest.mark.parametrize(
+    'name,max_length,refused',
+    [
+        ('glue/rte', 4, True),
+        ('glue/rte', 5, False),
+        ('glue/cola', 2, True),
+        ('glue/cola', 3, False),
+    ],
+)
+def test_rows_too_short_for_the_sentences_are_refused(name, max_length, refused):
+  """[CLS], and a token and [SEP] per sentence (a shorter row once cut forever)."""
+  config = config_lib.load('configs/glue.py:tiny')
+  config.data.name, config.data.max_length = name, max_length
+  if refused:
+    with pytest.raises(ValueError, match=rf'max_length={max_length} is too short'):
+      config_lib.validate(config)
+  else:
+    config_lib.validate(config)
+    encode = glue.EncodeGlue(
+        FakeWordPiece(), ('sentence1', 'sentence2')[: max_length // 2], max_length, False
+    )
+    row = encode({'sentence1': b'a b c', 'sentence2': b'd e f', 'label': 1})
+    assert len(row['inputs']) == max_length
+
+
+def test_extra_test_files_are_refused():
+  """Text files carry no labels to score (before: a run trained, then failed at the end)."""
+  config = config_lib.load('configs/glue.py:tiny')
+  config.data.extra_test_files = 'a.txt:b.txt'
+  with pytest.raises(ValueError, match=r"extra_test_files='a.txt:b.txt'"):
+    config_lib.validate(config)
+
+
+class FakeWordPiece:
+  """One id per character: enough to count what EncodeGlue keeps."""
+
+  bos_id, eos_id = 101, 102
+
+  def encode(self, text):
+    return [1000 + ord(c) for c in text.replace(' ', '')]
+
+
+class FakeSetup:
+  """A run's setup whose global batch puts the rows in another order than the process gave
+  them, as a mesh whose devices are not in process order does with several processes."""
+
+  config = config_lib.load('configs/glue.py:tiny')
+  graphdef = None
+
+  def activate(self):
+    return contextlib.nullcontext()
+
+  def global_batch(self, local_batch):
+    return {name: jnp.asarray(rows[::-1]) for name, rows in local_batch.items()}
+
+
+class Batches:
+
+  def __init__(self, batches):
+    self.batches = batches
+
+  def reset(self):
+    pass
+
+  def __iter__(self):
+    return iter(self.batches)
+
+
+def test_predictions_are_paired_with_their_own_labels():
+  """A model that predicts each row's label scores 100, and the predictions file pairs each
+  prediction with its label, whatever order the global batch puts the rows in."""
+  context = base.EvalContext(setup=FakeSetup(), eval_step=None, tokenizer=None)
+  evaluator = glue.GlueEvaluator(context)
+  evaluator._predict = lambda params, batch: batch['targets']  # the perfect model
+  rng = np.random.default_rng(0)
+  batches = [
+      {'targets': rng.integers(0, 2, 8).astype(np.int32), 'weights': np.ones(8, np.float32)}
+      for _ in range(3)
+  ]
+  batches[-1]['weights'][5:] = 0  # the last batch's padding rows
+  result = evaluator.final(None, Batches(batches), 'validation')
+  assert result.metrics['accuracy'] == 100
+  written = json.loads(result.files['validation_predictions.json'])
+  assert len(written['labels']) == 21  # padding rows left out
+  assert written['predictions'] == written['labels']
 
 
 @pytest.mark.integration

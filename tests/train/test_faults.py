@@ -2,6 +2,7 @@
 workdir, a disk that fills up during an asynchronous save."""
 
 import errno
+import json
 import os
 import pathlib
 import re
@@ -137,6 +138,34 @@ def test_when_no_checkpoint_restores_nothing_is_moved_and_the_run_stops(
   assert committed(workdir) == [3, 6] and not (workdir / checkpoints.DAMAGED_DIR).exists()
 
 
+def test_a_rerun_refused_for_another_config_keeps_the_config_of_the_checkpoints(
+    helpers, tfds_dir, six_steps, tmp_path
+):
+  """config.json describes the checkpoints beside it: a rerun whose model they do not fit is
+  refused before it writes its own."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(six_steps, workdir)
+  before = (workdir / checkpoints.CONFIG_FILE).read_text()
+  config = small_config(helpers, tfds_dir, num_train_steps=9, **{'model.emb_dim': 48})
+  with pytest.raises(checkpoints.CheckpointError, match='could be restored'):
+    train.train_and_evaluate(config, str(workdir))
+  assert (workdir / checkpoints.CONFIG_FILE).read_text() == before
+  assert json.loads(before)['model']['emb_dim'] == 32
+
+
+def test_num_train_steps_below_the_newest_checkpoint_is_refused(
+    helpers, tfds_dir, six_steps, tmp_path
+):
+  """Before: nothing trained, no final evaluation, exit 0, and config.json said 3 steps."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(six_steps, workdir)
+  before = (workdir / checkpoints.CONFIG_FILE).read_text()
+  with pytest.raises(ValueError, match=r'num_train_steps=3 is below the checkpoint at step 6 in '):
+    train.train_and_evaluate(small_config(helpers, tfds_dir, num_train_steps=3), str(workdir))
+  assert (workdir / checkpoints.CONFIG_FILE).read_text() == before
+  assert committed(workdir) == [3, 6]
+
+
 # ------------------------------------------------------------------------ two runs, one workdir
 
 HOLD_THE_LOCK = """
@@ -228,6 +257,45 @@ def test_a_failed_background_save_is_reported_by_check(helpers, tmp_path, monkey
     checkpointer.check()
   checkpointer.close()
   assert committed(tmp_path) == [1]  # keep=1, yet the last good one stays
+
+
+def test_the_final_checkpoint_commits_before_the_run_counts_as_finished(
+    helpers, tfds_dir, tmp_path, monkeypatch
+):
+  """The last step's save fails in the background: no final evaluation is recorded (it marks
+  the run finished), so the rerun trains the last steps again and saves them."""
+  failing_second_json_save(monkeypatch)
+  config = small_config(helpers, tfds_dir, num_train_steps=6, async_checkpointing=True)
+  with pytest.raises(checkpoints.CheckpointError, match='saving checkpoint step 6'):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert not (tmp_path / train.FINAL_EVAL_DIR).exists()
+  assert committed(tmp_path) == [3]
+  monkeypatch.undo()  # the disk has room again
+  assert train.train_and_evaluate(config, str(tmp_path))['step'] == 6
+  assert (tmp_path / train.FINAL_EVAL_DIR / '6' / 'metrics.json').exists()
+  assert committed(tmp_path) == [3, 6]
+
+
+def test_an_update_that_makes_parameters_non_finite_is_never_saved(helpers, tfds_dir, tmp_path):
+  """A learning rate past float32's range: step 1's loss and gradients are finite (they see
+  the parameters before the update), the updated parameters are not. Before: saved as the
+  newest checkpoint, which every resume then restored."""
+  config = small_config(
+      helpers,
+      tfds_dir,
+      num_train_steps=6,
+      checkpoint_every_steps=1,
+      learning_rate=1e39,
+      warmup_steps=0,
+      lr_schedule='constant',
+      grad_clip_norm=0.0,
+  )
+  with pytest.raises(
+      train.NonFiniteError,
+      match=r'step 1: non-finite parameters after the update; .*\(no checkpoint was written\)',
+  ):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert not (tmp_path / checkpoints.CHECKPOINT_DIR).exists() or committed(tmp_path) == []
 
 
 def test_disk_full_during_an_async_save_stops_the_run_at_that_save(
