@@ -130,7 +130,7 @@ def check_implementation(
     raise ValueError(f'block_size={block_size!r} must be an integer >= 1.')
   if implementation == 'xla':
     return
-  if implementation == 'blockwise' and spec.query_heads != spec.num_heads:
+  if implementation == 'blockwise' and 0 < spec.num_heads != spec.query_heads:
     raise ValueError(
         f"implementation='blockwise' does not support num_logit_heads={spec.query_heads} "
         f'with num_heads={spec.num_heads} (a pruned talking-heads layer: its accumulators '

@@ -10,7 +10,8 @@ one line naming the setting, its value and what would be valid (the command exit
   - every data.extra_test_files file must exist;
   - the mesh must fit the devices (`sharding.mesh_shape`);
   - the workdir must be a directory, or one that can be made, and writable; a remote one
-    (gs://...) must be a path epath can write: an object is written there and deleted.
+    (gs://...) must be a path epath can write: an object is written there and deleted;
+  - num_train_steps must not be below the workdir's newest checkpoint (nothing would train).
 
 The standard library only at the top: the workdir checks import nothing heavy.
 """
@@ -50,6 +51,7 @@ def check(
   if local_paths:
     check_extra_test_files(config)
     check_workdir(workdir)
+    check_checkpoint_steps(config, workdir)
   check_data_name(config, workdir)
 
 
@@ -81,6 +83,21 @@ def check_extra_test_files(
         raise PreflightError(
             f'config.data.extra_test_files: {path!r} (test set {name!r}) ' f'{what}.'
         )
+
+
+def check_checkpoint_steps(config, workdir: str) -> None:
+  """num_train_steps is at least the newest checkpoint's step (a committed step directory under
+  `<workdir>/checkpoints`); below it the run would train nothing and never evaluate."""
+  directory = os.path.join(workdir, 'checkpoints')  # runs.CHECKPOINT_DIR
+  if not files.isdir(directory):
+    return
+  steps = [int(name) for name in files.listdir(directory) if name.isdigit()]
+  if steps and max(steps) > config.num_train_steps:
+    raise PreflightError(
+        f'num_train_steps={config.num_train_steps} is below the checkpoint at step '
+        f'{max(steps)} in {directory}: rerun with num_train_steps >= {max(steps)}, or use a '
+        'new --workdir.'
+    )
 
 
 def check_workdir(workdir: str) -> None:

@@ -160,6 +160,11 @@ def test_a_pruned_talking_heads_layer_is_computed_by_xla(num_heads):
   )
   with pytest.raises(ValueError, match=r'num_logit_heads=4 with num_heads=%d' % num_heads):
     dispatch.check_implementation('blockwise', s, platform='cpu')
+  # A layer pruned to no head adds only its output bias, on every implementation.
+  none = AttentionSpec(
+      num_heads=0, num_logit_heads=4, head_dim=2, in_features=6, kind='talking_heads'
+  )
+  dispatch.check_implementation('blockwise', none, platform='cpu')
   assert choose(s, 512, platform='cpu', dtype=F32, batch=1) == 'xla'
   params = {
       name: jax.random.normal(jax.random.key(i), shape) / 3

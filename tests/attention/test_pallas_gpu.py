@@ -250,7 +250,13 @@ def test_cudnn_widths_pad_with_zero_columns():
   assert fused.cudnn_widths(64, 128, mla=False) == (128, 128)
 
 
-def test_cudnn_accepts_collaborative_up_to_its_widest_head():
+@pytest.fixture
+def hopper(monkeypatch):
+  """cuDNN's limits of a Hopper GPU (256-wide heads), whatever GPU this machine has."""
+  monkeypatch.setattr(fused, '_local_cudnn', lambda: (91000, '9.0'))
+
+
+def test_cudnn_accepts_collaborative_up_to_its_widest_head(hopper):
   ok = A.AttentionSpec(num_heads=4, in_features=512, kind='collaborative', key_dim=128)
   dispatch.check_implementation('cudnn', ok, dtype=jnp.bfloat16, platform='gpu')
   wide = A.AttentionSpec(num_heads=4, in_features=512, kind='collaborative', key_dim=256)
@@ -266,7 +272,7 @@ def test_cudnn_accepts_collaborative_up_to_its_widest_head():
     'kind,options,width',
     [('fixed_head', dict(head_dim=512), 512), ('concat', dict(num_heads=2), 320)],
 )
-def test_cudnn_refuses_wider_heads_of_every_kind(kind, options, width):
+def test_cudnn_refuses_wider_heads_of_every_kind(hopper, kind, options, width):
   """jax's cuDNN check (`check_is_flash_attention`: head dim <= 256 from Hopper on, 128
   before) would fail on the GPU at trace time; 'auto' must pick another kernel instead."""
   s = A.AttentionSpec(**{'num_heads': 8, 'in_features': 640, 'kind': kind, **options})

@@ -102,6 +102,17 @@ def test_a_workdir_that_is_a_file(config, tmp_path):
   )
 
 
+def test_num_train_steps_below_the_newest_checkpoint(config, tmp_path):
+  """Step directories as Orbax commits them (a temporary one, still being written, is not a
+  step); below the newest the run would train nothing and exit 0."""
+  for name in ('3', '6', '9.orbax-checkpoint-tmp-1234'):
+    (tmp_path / 'checkpoints' / name).mkdir(parents=True)
+  config.num_train_steps = 6
+  preflight.check(config, str(tmp_path))
+  config.num_train_steps = 5
+  refused(config, tmp_path, r'num_train_steps=5 is below the checkpoint at step 6 in .*checkpoints')
+
+
 @pytest.mark.parametrize('under', ['', 'new/run'])
 def test_a_read_only_workdir(config, under):
   workdir = os.path.join(READ_ONLY_DIR, under) if under else READ_ONLY_DIR
