@@ -395,6 +395,9 @@ def _train_loop(
   dropout_key = jax.random.key(config.seed + 1)
   pending: list[tuple[int, dict]] = []  # step metrics not yet fetched to the host
   last_train: dict[str, float] = {}
+  # Step metrics since the last logged step: a logged train mean covers the steps since the
+  # previous log, however many fetches (saves, evaluations, progress lines) came between.
+  unlogged: list[tuple[int, dict[str, float]]] = []
   last_eval: dict[str, float] = {}
   last_saved = start_step or None
   stop = lambda step, during: _stop(preemption, checkpointer, step, state, train_data, during)
@@ -441,11 +444,13 @@ def _train_loop(
       continue
     host = _host_metrics(pending, checkpointer.directory, last_saved)  # waits for the step
     progress.pause()
-    last_train = _summarise(host)
+    unlogged += host
     rates = progress.take_window()
     if rates:  # real (non-padding) tokens, from the steps' own counts
-      rates['tokens_per_sec'] = last_train['tokens'] * rates['steps_per_sec'] / len(host)
+      rates['tokens_per_sec'] = _summarise(host)['tokens'] * rates['steps_per_sec'] / len(host)
     if due.log:
+      last_train = _summarise(unlogged)
+      unlogged.clear()
       writer.write_scalars(
           done, 'train', {**last_train, **rates, 'train_secs': progress.train_secs}
       )

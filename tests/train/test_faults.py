@@ -166,6 +166,27 @@ def test_num_train_steps_below_the_newest_checkpoint_is_refused(
   assert committed(workdir) == [3, 6]
 
 
+def test_a_logged_train_mean_covers_the_steps_since_the_previous_log(helpers, tfds_dir, tmp_path):
+  """Logged every 3 steps with a checkpoint every 2 (a fetch of the step metrics between two
+  logs): each train record is the mean of the losses that a run logging every step records for
+  the steps since the previous record. Before: the mean since the last fetch of any kind (a
+  save, an evaluation, a progress line), so it depended on the checkpoint period and the clock."""
+
+  def train_losses(name, **extra):
+    workdir = tmp_path / name
+    config = small_config(helpers, tfds_dir, num_train_steps=6, progress_every_secs=1e6, **extra)
+    train.train_and_evaluate(config, str(workdir))
+    lines = map(json.loads, (workdir / 'metrics.jsonl').read_text().splitlines())
+    return {l['step']: l['loss'] for l in lines if l['split'] == 'train'}
+
+  every_step = train_losses('every_step', log_every_steps=1, checkpoint_every_steps=6)
+  logged = train_losses('every_3', log_every_steps=3, checkpoint_every_steps=2)
+  assert sorted(logged) == [1, 3, 6]  # the first step, then every 3 (the last is 6)
+  for step, previous in ((1, 0), (3, 1), (6, 3)):
+    steps = range(previous + 1, step + 1)
+    assert logged[step] == pytest.approx(np.mean([every_step[s] for s in steps]), rel=1e-6)
+
+
 # ------------------------------------------------------------------------ two runs, one workdir
 
 HOLD_THE_LOCK = """
