@@ -21,6 +21,7 @@ import tempfile
 import uuid
 
 from lowrank_attn import files
+from lowrank_attn.runs import CHECKPOINT_DIR
 
 
 class PreflightError(ValueError):
@@ -88,7 +89,7 @@ def check_extra_test_files(
 def check_checkpoint_steps(config, workdir: str) -> None:
   """num_train_steps is at least the newest checkpoint's step (a committed step directory under
   `<workdir>/checkpoints`); below it the run would train nothing and never evaluate."""
-  directory = os.path.join(workdir, 'checkpoints')  # runs.CHECKPOINT_DIR
+  directory = os.path.join(workdir, CHECKPOINT_DIR)
   if not files.isdir(directory):
     return
   steps = [int(name) for name in files.listdir(directory) if name.isdigit()]

@@ -143,11 +143,7 @@ def _host_metrics(
     values = {k: float(v) for k, v in values.items()}
     bad = {k: values[k] for k in ('loss', 'objective', 'grad_norm') if not math.isfinite(values[k])}
     if bad:
-      saved = (
-          f'the last good checkpoint is step {last_saved} in {directory}'
-          if last_saved is not None
-          else 'no checkpoint was written'
-      )
+      saved = _last_good(last_saved, directory)
       raise NonFiniteError(
           f'step {step}: non-finite {", ".join(f"{k}={v}" for k, v in bad.items())}; stopping '
           f'the run ({saved}). Lower the learning rate, raise warmup_steps or enable '
@@ -155,6 +151,12 @@ def _host_metrics(
       )
     out.append((step, values))
   return out
+
+
+def _last_good(step: int | None, directory: str) -> str:
+  if step is None:
+    return 'no checkpoint was written'
+  return f'the last good checkpoint is step {step} in {directory}'
 
 
 @jax.jit
@@ -170,11 +172,7 @@ def _check_before_saving(state, step: int, checkpointer: checkpoints.Checkpointe
   if bool(_all_finite(state['params'])):
     return
   checkpointer.wait()  # a save in flight (of parameters checked before it) commits first
-  saved = (
-      f'the last good checkpoint is step {checkpointer.last_good} in {checkpointer.directory}'
-      if checkpointer.last_good is not None
-      else 'no checkpoint was written'
-  )
+  saved = _last_good(checkpointer.last_good, checkpointer.directory)
   raise NonFiniteError(
       f'step {step}: non-finite parameters after the update; stopping the run without saving '
       f'them ({saved}). Lower the learning rate, check adam_eps > 0, or enable grad_clip_norm.'
