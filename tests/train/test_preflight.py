@@ -120,11 +120,12 @@ def test_a_read_only_workdir(config, under):
 
 
 def test_remote_workdirs_get_the_remote_check_not_the_local_ones(config, monkeypatch, tmp_path):
-  """A gs:// workdir is probed through epath (`check_remote_workdir`: tested against a fake
-  bucket in test_remote_workdir.py), never looked at as a local path."""
-  probed = []
+  """A gs:// workdir is probed through epath (`check_remote_workdir` and its checkpoint steps:
+  tested against a fake bucket in test_remote_workdir.py), never looked at as a local path."""
+  probed, steps = [], []
   monkeypatch.setattr(preflight, 'check_remote_workdir', probed.append)
+  monkeypatch.setattr(preflight, 'check_checkpoint_steps', lambda _, w: steps.append(w))
   monkeypatch.chdir(tmp_path)
   preflight.check(config, 'gs://bucket/runs/lm')
-  assert probed == ['gs://bucket/runs/lm']
+  assert probed == steps == ['gs://bucket/runs/lm']
   assert not os.listdir(tmp_path)  # no local directory 'gs:'

@@ -136,6 +136,18 @@ def test_preflight_writes_a_probe_into_a_remote_workdir(gcs):
     preflight.check_workdir(f'{BUCKET}/file')
 
 
+def test_preflight_reads_the_checkpoint_steps_of_a_remote_workdir(gcs, helpers):
+  config = helpers.load_config('lm', 'tiny')
+  config.num_train_steps = 8
+  preflight.check_checkpoint_steps(config, WORKDIR)  # no checkpoints yet
+  for step in (4, 12):
+    (in_bucket(gcs, f'{WORKDIR}/{runs.CHECKPOINT_DIR}') / str(step)).mkdir(parents=True)
+  with pytest.raises(preflight.PreflightError, match='below the checkpoint at step 12'):
+    preflight.check_checkpoint_steps(config, WORKDIR)
+  config.num_train_steps = 12
+  preflight.check_checkpoint_steps(config, WORKDIR)
+
+
 def test_preflight_of_a_remote_workdir_that_cannot_be_written_is_one_line(tmp_path):
   def refuse(fn, path, mode, *args, **kwargs):
     if os.fspath(path).startswith('gs://') and 'w' in mode:
