@@ -90,6 +90,11 @@ EVALS = 12  # periodic evaluations per run
 EVAL_BATCHES = 24  # validation batches per periodic evaluation (of ~112 in the split)
 FLAT_TOL = 0.01  # bits/char between the last two periodic evaluations
 TRAIN_HEADER = 'train bits/char, last twelfth (gap)'
+# From this commit on a logged training record is the mean over the steps since the record
+# before; up to it, over the steps since the step metrics were last fetched (a save, an
+# evaluation, the progress line). What the older records covered: train_records.py's JSON.
+LOGGING_FIX = '4b15d5b'
+TRAIN_RECORDS = 'train_records.json'
 WARMUP_SHARE = 30 / 250  # configs/lm.py:bottleneck's warmup, as a share of its 250 steps
 KEEP_CHECKPOINTS = 2
 # The character vocabulary of the works' training split (every run of the sweep has it; the
@@ -828,6 +833,60 @@ def plot_best(rows: Sequence[dict], out: pathlib.Path, title: str, ylabel: str) 
     )
 
 
+def _before_logging_fix(commit: str) -> bool | None:
+  """Whether `commit` lacks LOGGING_FIX; None where git cannot tell (no repository here, or
+  a commit it does not have)."""
+  try:
+    code = subprocess.run(
+        ['git', 'merge-base', '--is-ancestor', LOGGING_FIX, commit],
+        cwd=HERE,
+        capture_output=True,
+        check=False,
+    ).returncode
+  except OSError:
+    return None
+  return {0: False, 1: True}.get(code)
+
+
+def train_records_note(results, names: Iterable[str], out_dir: pathlib.Path) -> str:
+  """How many of the runs `names` with a training column logged it the old way (their last
+  attempt's commit), and what such records covered (`train_records.py`'s JSON in out_dir,
+  intervals past each run's first quarter, where the loss drifts little)."""
+  names = set(names)
+  runs = [
+      run
+      for run in results['runs']
+      if run['name'] in names and (run.get('result') or {}).get('train_bits_per_char') is not None
+  ]
+  before = [_before_logging_fix(run['code'][-1]['commit']) for run in runs if run.get('code')]
+  if not runs or not any(before):
+    return ''
+  unknown = f' ({before.count(None)} unknown to git here)' if None in before else ''
+  note = (
+      f' {before.count(True)} of the {len(runs)} runs with that column{unknown} trained before '
+      f'{LOGGING_FIX}, where a training record was the mean over the steps since the step '
+      'metrics were last fetched (a save, an evaluation, the progress line every 5 s), not over '
+      'all the steps since the record before: a sample of the last twelfth, not all of it.'
+  )
+  path = out_dir / TRAIN_RECORDS
+  read = json.loads(path.read_text()) if path.exists() else {}
+  late = [i for r in read.values() for i in r['intervals'] if i['end'] > r['num_train_steps'] / 4]
+  if late:
+    shares = [i['steps_covered'] / i['steps'] for i in late]
+    errors = [i['standard_error'] for i in late]
+    median = float(np.median(errors))
+    note += (
+        f' Read from {len(read)} runs while they trained on this CPU (`{path.parent.name}/'
+        f'{TRAIN_RECORDS}`, {len(late)} intervals past their first quarter), such records '
+        f"covered {min(shares):.1%}-{max(shares):.1%} of an interval's steps, and their spread "
+        f'puts the standard error of its mean at {min(errors):.3f}-{max(errors):.3f} bits/char '
+        f'(median {median:.3f}), so the difference of two such runs has a 95% half-width of '
+        f'about {1.96 * math.sqrt(2) * median:.3f} at the median. A run on a GPU, hundreds of '
+        'steps between two progress lines, sampled most of its steps.'
+    )
+  return note
+
+
 def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> str:
   """The README section: its runs' summary (only the runs it reports: a results.json holds
   every budget's), then per stage its table, plots and differences."""
@@ -864,6 +923,7 @@ def report(results, plan: Plan, failures: Mapping[str, str] | None = None) -> st
           '(seed means), and the final bits/char minus it: the gap between text seen in training '
           'and unseen text'
           + (', the training loss measured with dropout on.' if plan.dropout else '.')
+          + train_records_note(results, reported, plan.out_dir)
           if any(r.get('train_bits_per_char') is not None for r in tabled)
           else ''
       ),

@@ -775,3 +775,64 @@ def test_an_evaluation_cached_without_rows_is_run_again_only_where_the_final_che
   (tmp_path / 'checkpoints' / '50').mkdir()
   assert conv.final_evaluation(tmp_path)['row_nll'] == [1.5] and len(calls) == 1
   assert conv.final_evaluation(tmp_path)['row_nll'] == [1.5] and len(calls) == 1
+
+
+def test_the_train_column_says_how_many_runs_logged_a_sample_and_its_standard_error(
+    tmp_path, monkeypatch
+):
+  """Runs whose last attempt's commit lacks LOGGING_FIX (git's ancestry, here in a scratch
+  repository) are counted in the header; the coverage and standard error come from
+  train_records.json's intervals past each run's first quarter (plain arithmetic below)."""
+  repo = tmp_path / 'repo'
+  repo.mkdir()
+  git = lambda *a: subprocess.run(
+      ['git', '-C', str(repo), *a], check=True, capture_output=True, text=True
+  ).stdout.strip()
+  git('init', '-q')
+  commits = []
+  for message in ('old', 'fix', 'new'):
+    git('-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-q', '--allow-empty', '-m', message)
+    commits.append(git('rev-parse', 'HEAD'))
+  old, fix, new = commits
+  monkeypatch.setattr(conv, 'HERE', repo)
+  monkeypatch.setattr(conv, 'LOGGING_FIX', fix)
+  assert [conv._before_logging_fix(c) for c in (old, fix, new, '0' * 40)] == [
+      True,
+      False,
+      False,
+      None,
+  ]
+  p, runs = longer_budget(tmp_path)
+  trained = []
+  for seed, commit in enumerate((old, new)):
+    trained.append(fake_run(conv.Point(conv.WIDTH_ARM, 3e-3, seed, 24000), 2.0, train=1.9))
+    trained[-1]['code'] = [{'commit': old}, {'commit': commit}]  # the last attempt counts
+  text = report(runs + trained, p)
+  assert f'1 of the 2 runs with that column trained before {fix},' in text
+  assert 'train_records.json' not in text  # none read yet
+  intervals = [  # (end, steps covered, standard error): the first quarter's is left out
+      (2000, 10, 0.5),
+      (8000, 30, 0.010),
+      (10000, 60, 0.030),
+      (12000, 45, 0.020),
+  ]
+  record = {
+      'num_train_steps': 24000,
+      'intervals': [
+          {'end': e, 'steps_covered': c, 'steps': 2000, 'standard_error': se}
+          for e, c, se in intervals
+      ],
+  }
+  (p.out_dir / conv.TRAIN_RECORDS).write_text(json.dumps({'a': record}))
+  text = report(runs + trained, p)
+  half_width = 1.96 * math.sqrt(2) * 0.020  # the median of 0.010, 0.030, 0.020
+  assert (
+      'Read from 1 runs while they trained on this CPU (`convergence/train_records.json`, 3 '
+      "intervals past their first quarter), such records covered 1.5%-3.0% of an interval's "
+      'steps, and their spread puts the standard error of its mean at 0.010-0.030 bits/char '
+      f'(median 0.020), so the difference of two such runs has a 95% half-width of about '
+      f'{half_width:.3f} at the median.'
+  ) in text
+  # No run before the fix: no note.
+  trained[0]['code'][-1]['commit'] = new
+  assert 'trained before' not in report(runs + trained, p)
