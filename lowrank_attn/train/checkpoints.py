@@ -15,7 +15,9 @@ Faults:
   a damaged step directory (a truncated array file, an empty directory, garbage JSON) is
     skipped at restore: the newest checkpoint that restores is used, and the damaged ones newer
     than it are moved, never deleted, to `<workdir>/damaged_checkpoints/<step>`, so that later
-    saves of those steps do not collide with them (`Checkpointer.restore_latest`);
+    saves of those steps do not collide with them (`Checkpointer.restore_latest`); a restore
+    that fails is tried twice more first (RESTORE_RETRY_SECS), so a read error that goes away
+    is not taken for damage;
   a failed save (disk full) stops the run at that save with one line naming it and the last
     good checkpoint (`CheckpointError`); old checkpoints are deleted only after a newer save
     has committed, so a failed save never costs the last good one (`Checkpointer.check`);
@@ -53,6 +55,10 @@ from lowrank_attn import files
 from lowrank_attn.runs import CHECKPOINT_DIR, CONFIG_FILE, write_atomic
 
 DAMAGED_DIR = 'damaged_checkpoints'  # <workdir>/damaged_checkpoints/<step>: moved aside
+# A checkpoint that fails to restore is tried again after each of these waits before it counts
+# as damaged: a read error that goes away (EIO from a flaky disk, a GCS 503 past the client's own
+# retries) must not cost the newest checkpoint. Damage fails every time, so this only delays it.
+RESTORE_RETRY_SECS = (2.0, 8.0)
 LOCK_FILE = 'lock'  # <workdir>/lock: who runs in this workdir (`WorkdirLock`)
 
 
@@ -235,7 +241,7 @@ class Checkpointer:
     failures = []
     for step in sorted(self._manager.all_steps(), reverse=True):
       try:
-        state, data_state = self.restore(step, abstract_state)
+        state, data_state = self._restore_retrying(step, abstract_state)
         error = None
       except CheckpointMismatchError:
         raise
@@ -265,6 +271,23 @@ class Checkpointer:
           + '; '.join(f'step {s}: {reason}' for s, reason in failures)
       )
     return None, None, None, []
+
+  def _restore_retrying(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
+    """`restore`, tried again after each of RESTORE_RETRY_SECS; the last try's error is raised."""
+    for wait in RESTORE_RETRY_SECS:
+      try:
+        return self.restore(step, abstract_state)
+      except CheckpointMismatchError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except  (transient or damage: tried again)
+        logging.warning(
+            'restoring checkpoint step %d failed (%s); trying again in %g s',
+            step,
+            _one_line(e),
+            wait,
+        )
+        time.sleep(wait)
+    return self.restore(step, abstract_state)
 
   def _move_aside(self, step: int) -> str:
     """Moves step directory `step` to `<workdir>/damaged_checkpoints/<step>[.<n>]` (process 0).

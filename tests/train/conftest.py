@@ -68,6 +68,17 @@ def helpers():
   return Helpers
 
 
+@pytest.fixture(scope='session', autouse=True)
+def no_restore_retry_waits():
+  """A damaged checkpoint is tried RESTORE_RETRY_SECS more times before it counts as damaged:
+  the tries stay, the waits go (seconds each in every test that damages one)."""
+  from lowrank_attn.train import checkpoints  # pylint: disable=import-outside-toplevel
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(checkpoints, 'RESTORE_RETRY_SECS', (0.0, 0.0))
+    yield
+
+
 @pytest.fixture(scope='session')
 def tfds_dir(tmp_path_factory):
   """One prepared-data directory for all tests (datasets are built once)."""

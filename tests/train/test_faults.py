@@ -121,6 +121,30 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(
   assert checkpoints.load_state(str(workdir))[0] == 9
 
 
+def test_a_read_error_that_goes_away_is_tried_again_not_taken_for_damage(
+    helpers, tfds_dir, six_steps, tmp_path, monkeypatch, caplog
+):
+  """The newest checkpoint fails to read twice (EIO, as a flaky disk or a GCS 503 would) and
+  then reads: the run resumes from it and moves nothing aside."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(six_steps, workdir)
+  restore, tries = checkpoints.Checkpointer.restore, []
+
+  def flaky(self, step, abstract_state):
+    tries.append(step)
+    if tries.count(step) <= len(checkpoints.RESTORE_RETRY_SECS):
+      raise OSError(errno.EIO, 'Input/output error')
+    return restore(self, step, abstract_state)
+
+  monkeypatch.setattr(checkpoints.Checkpointer, 'restore', flaky)
+  result = train.train_and_evaluate(
+      small_config(helpers, tfds_dir, num_train_steps=9), str(workdir)
+  )
+  assert result['step'] == 9 and tries == [6, 6, 6]
+  assert not (workdir / checkpoints.DAMAGED_DIR).exists()
+  assert caplog.text.count('restoring checkpoint step 6 failed') == 2
+
+
 def test_when_no_checkpoint_restores_nothing_is_moved_and_the_run_stops(
     helpers, tfds_dir, six_steps, tmp_path
 ):
