@@ -859,7 +859,7 @@ def train_records_note(results, names: Iterable[str], out_dir: pathlib.Path) -> 
       if run['name'] in names and (run.get('result') or {}).get('train_bits_per_char') is not None
   ]
   before = [_before_logging_fix(run['code'][-1]['commit']) for run in runs if run.get('code')]
-  if not runs or not any(before):
+  if all(b is False for b in before):  # no run, or every one logged the new way
     return ''
   unknown = f' ({before.count(None)} unknown to git here)' if None in before else ''
   note = (
@@ -882,7 +882,8 @@ def train_records_note(results, names: Iterable[str], out_dir: pathlib.Path) -> 
         f'puts the standard error of its mean at {min(errors):.3f}-{max(errors):.3f} bits/char '
         f'(median {median:.3f}), so the difference of two such runs has a 95% half-width of '
         f'about {1.96 * math.sqrt(2) * median:.3f} at the median. A run on a GPU, hundreds of '
-        'steps between two progress lines, sampled most of its steps.'
+        'steps between two progress lines, sampled a larger share (not measured: their '
+        'directories are gone).'
     )
   return note
 

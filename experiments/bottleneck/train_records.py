@@ -40,7 +40,8 @@ def intervals(train: list[dict], every: int, tokens_per_step: int) -> list[dict]
     steps = [r['tokens'] / tokens_per_step for r in inside]
     if any(s != int(s) or s < 1 for s in steps):
       raise ValueError(
-          f'records of {steps} steps at {tokens_per_step} tokens a step: more than one device?'
+          f'records of {steps} steps at {tokens_per_step} tokens a step (per_device_batch_size '
+          'x max_length: one device per run assumed): not whole steps'
       )
     sd = statistics.stdev(bits)
     out.append(

@@ -57,7 +57,8 @@ from lowrank_attn.runs import CHECKPOINT_DIR, CONFIG_FILE, write_atomic
 DAMAGED_DIR = 'damaged_checkpoints'  # <workdir>/damaged_checkpoints/<step>: moved aside
 # A checkpoint that fails to restore is tried again after each of these waits before it counts
 # as damaged: a read error that goes away (EIO from a flaky disk, a GCS 503 past the client's own
-# retries) must not cost the newest checkpoint. Damage fails every time, so this only delays it.
+# retries) must not cost the newest checkpoint. Damage fails every time, so this only delays it:
+# 10 s for each step that does not restore (a checkpoint of another config, a garbled file).
 RESTORE_RETRY_SECS = (2.0, 8.0)
 LOCK_FILE = 'lock'  # <workdir>/lock: who runs in this workdir (`WorkdirLock`)
 

@@ -833,6 +833,10 @@ def test_the_train_column_says_how_many_runs_logged_a_sample_and_its_standard_er
       f'(median 0.020), so the difference of two such runs has a 95% half-width of about '
       f'{half_width:.3f} at the median.'
   ) in text
-  # No run before the fix: no note.
+  # No run before the fix: no note; commits git cannot place still get it, counted as such.
   trained[0]['code'][-1]['commit'] = new
   assert 'trained before' not in report(runs + trained, p)
+  trained[0]['code'][-1]['commit'] = '0' * 40
+  assert '0 of the 2 runs with that column (1 unknown to git here) trained before' in report(
+      runs + trained, p
+  )

@@ -66,5 +66,5 @@ def test_an_interval_with_one_record_is_left_out_and_a_step_fraction_refused(tmp
   assert [i['end'] for i in train_records.read(run)['intervals']] == [20]
   run.rename(tmp_path / 'old')
   run = _run(tmp_path, [(5, 2.0, 1), (10, 1.5, 1.5)])
-  with pytest.raises(ValueError, match='more than one device'):
+  with pytest.raises(ValueError, match='not whole steps'):
     train_records.read(run)

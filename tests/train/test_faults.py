@@ -137,10 +137,19 @@ def test_a_read_error_that_goes_away_is_tried_again_not_taken_for_damage(
     return restore(self, step, abstract_state)
 
   monkeypatch.setattr(checkpoints.Checkpointer, 'restore', flaky)
+  monkeypatch.setattr(checkpoints, 'RESTORE_RETRY_SECS', (0.25, 0.75))
+  sleep, waits = checkpoints.time.sleep, []
+
+  def recording(secs):  # the process's time.sleep: other threads' sleeps are recorded too
+    waits.append(secs)
+    sleep(secs)
+
+  monkeypatch.setattr(checkpoints.time, 'sleep', recording)
   result = train.train_and_evaluate(
       small_config(helpers, tfds_dir, num_train_steps=9), str(workdir)
   )
   assert result['step'] == 9 and tries == [6, 6, 6]
+  assert [w for w in waits if w in (0.25, 0.75)] == [0.25, 0.75]
   assert not (workdir / checkpoints.DAMAGED_DIR).exists()
   assert caplog.text.count('restoring checkpoint step 6 failed') == 2
 
