@@ -10,7 +10,8 @@ For each shape (batch, length, D, heads) it times the jitted forward pass and fo
 interleaved repetitions (flax, then each of ours, then flax again ...), so background load
 hits all alike. It prints each time, the ratio to flax's time, and the kind's analytic FLOP
 ratio to concat: a kind is as efficient as concat when its time ratio to concat is at most its
-FLOP ratio.
+FLOP ratio. Our layers run their default `implementation='auto'`; the table names what it
+resolved to for each shape (on CPU 'xla' below 512 keys, 'blockwise' from there).
 
 `--long` times forward+backward for lengths 512 ... 8192 at a fixed batch and width: flax's
 layer and our materialising concat ('xla') against every kind in O(length) memory
@@ -34,6 +35,7 @@ import flax
 from flax import nnx
 
 from lowrank_attn import attention
+from lowrank_attn.attention import dispatch
 from lowrank_attn.attention.spec import DEFAULT_BLOCK_SIZE
 from lowrank_attn.nn import MultiHeadAttention
 
@@ -138,6 +140,16 @@ def compile_layer(layer, x):
   return (lambda: forward(params, x, rng)), (lambda: train(params, x, rng))
 
 
+def resolved_implementation(layer, batch: int, length: int, dtype) -> str:
+  """What our layer runs for this benchmark's call (causal self-attention: no mask, cache or
+  dropout), 'auto' resolved as the layer resolves it."""
+  if layer.spec.implementation != 'auto':
+    return layer.spec.implementation
+  return dispatch.choose_implementation(
+      layer.spec, q_length=length, kv_length=length, batch=batch, dtype=dtype
+  )
+
+
 CLOCKS = {'wall': time.perf_counter, 'cpu': time.process_time}
 clock = CLOCKS['wall']
 
@@ -174,6 +186,9 @@ def bench_shape(batch, length, D, h, repeats, dtype, only=None):
     rows.append(
         dict(
             label=label,
+            implementation=resolved_implementation(layers[label], batch, length, dtype)
+            if label in specs
+            else 'xla',  # flax's layer materialises the weights
             forward_ms=1e3 * fwd,
             train_ms=1e3 * train,
             forward_vs_flax=fwd / median['flax.nnx'][0],
@@ -403,9 +418,9 @@ def main(argv=None):
       f'flax {flax.__version__}.',
       'Command: ' + ' '.join([os.path.basename(sys.executable), *sys.argv]),
       '',
-      '| batch, length, D, heads | layer | forward ms | fwd / flax | fwd+bwd ms | fwd+bwd / flax '
-      '| fwd+bwd / concat | FLOPs / concat | GFLOP/s (fwd+bwd) |',
-      '|---|---|---|---|---|---|---|---|---|',
+      '| batch, length, D, heads | layer | implementation | forward ms | fwd / flax | fwd+bwd ms '
+      '| fwd+bwd / flax | fwd+bwd / concat | FLOPs / concat | GFLOP/s (fwd+bwd) |',
+      '|---|---|---|---|---|---|---|---|---|---|',
   ]
   print('\n'.join(lines), flush=True)
   for batch, length, D, h in (QUICK_SHAPES if args.quick else SHAPES):
@@ -413,7 +428,8 @@ def main(argv=None):
     for row in bench_shape(batch, length, D, h, args.repeats, dtype, only):
       flop_ratio = '' if row['flop_ratio'] is None else f"{row['flop_ratio']:.2f}"
       line = (
-          f"| {batch}, {length}, {D}, {h} | {row['label']} | {row['forward_ms']:.1f} | "
+          f"| {batch}, {length}, {D}, {h} | {row['label']} | {row['implementation']} | "
+          f"{row['forward_ms']:.1f} | "
           f"{row['forward_vs_flax']:.2f} | {row['train_ms']:.1f} | {row['train_vs_flax']:.2f} | "
           f"{row['train_vs_concat']:.2f} | {flop_ratio} | {row['train_gflops']:.0f} |"
       )

@@ -1,4 +1,5 @@
-"""The training-step benchmark runs, and its flax baseline trains with our optimizer."""
+"""The benchmarks run: the training step against flax with our optimizer, and the attention
+table names the implementation each row ran."""
 
 import argparse
 
@@ -65,3 +66,36 @@ def test_the_training_step_benchmark_times_ours_against_flax(capsys, tmp_path):
   written = out_file.read_text()
   assert written.startswith(f'Command: python benchmarks/train_step.py {" ".join(TINY)}')
   assert printed in written
+
+
+def test_the_attention_benchmark_names_the_implementation_each_row_ran(monkeypatch):
+  """The 'implementation' column against what the layer called: spies record each traced call
+  of the materialising path (`kernels.logits`) and of every other (`dispatch.attend`, with its
+  implementation). On CPU 'auto' materialises short rows and goes blockwise from 512 keys, so
+  the two shapes must differ."""
+  from benchmarks import attention as bench
+  from lowrank_attn.attention import dispatch
+  from lowrank_attn.attention import kernels
+
+  ran = []
+  attend, logits = dispatch.attend, kernels.logits
+
+  def attend_spy(*args, implementation, **kwargs):
+    ran.append(implementation)
+    return attend(*args, implementation=implementation, **kwargs)
+
+  def logits_spy(*args, **kwargs):
+    ran.append('xla')
+    return logits(*args, **kwargs)
+
+  monkeypatch.setattr(dispatch, 'attend', attend_spy)
+  monkeypatch.setattr(kernels, 'logits', logits_spy)
+  named = {}
+  for length in (16, 512):
+    ran.clear()
+    rows = bench.bench_shape(1, length, 16, 2, 1, jnp.float32, only=['fixed_head'])
+    named[length] = {row['label']: row['implementation'] for row in rows}
+    assert set(named[length]) == {'flax.nnx', 'concat', 'fixed_head d=16'}
+    assert named[length]['flax.nnx'] == 'xla'
+    assert ran and set(ran) == {named[length]['concat']} == {named[length]['fixed_head d=16']}
+  assert named[16]['concat'] == 'xla' and named[512]['concat'] == 'blockwise'
