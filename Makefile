@@ -39,7 +39,7 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PYTEST) -m "not gpu" tests
 
-# The fast tier (< 3 minutes on 2 cores): `make test` less the tests that start the command
+# The fast tier (4-10 minutes on 2 cores, README): `make test` less the tests that start the command
 # line or a worker process or train end to end (marked integration: tests/conftest.py lists
 # them, and under --unit fails an unmarked test that does either). It starts with the format
 # check: the tree is in pyink's style (`make format` puts it there).
