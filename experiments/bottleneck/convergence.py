@@ -1077,6 +1077,17 @@ def rate_check(plan: Plan, done: Mapping[str, dict], ylabel: str, rel) -> _Stage
       for arm, lr in best.items()
       if arm.key in picked
   ]
+  # Each swept arm's other rates against its best: by how much the best leads, with the paired
+  # interval over the validation text where both runs recorded their rows.
+  behind = [
+      difference(by[arm.key, lr], by[arm.key, top], f'{arm.label}, lr {lr:g} minus {top:g}')
+      for arm, top in best.items()
+      for lr in plan.rates
+      if lr != top and math.isfinite(by[arm.key, lr]['bits_per_char'])
+  ]
+  if behind:
+    lines += ['', f'Each swept arm, its other rates minus its best at {plan.steps} steps:', '']
+    lines += behind
   diffs = [
       difference(by[fixed, lr], by[concat, lr], f'h = {h}, lr {lr:g}')
       for h in sorted({arm.heads for arm in plan.arms})

@@ -310,6 +310,10 @@ def test_a_longer_budget_shows_its_own_rate_runs_once_one_leaves_the_picked_rate
   assert (
       '- concat, h = 32, d = 8, D = 256: best at 24000 steps lr 0.001, at 3000 steps 0.003.' in text
   )
+  # The swept arm's other rates against its best; no interval where runs lack their rows.
+  assert '- concat, h = 32, d = 8, D = 256, lr 0.003 minus 0.001: +0.0200 bits/char' in text
+  assert '- concat, h = 32, d = 8, D = 256, lr 0.01 minus 0.001: +0.3000 bits/char' in text
+  assert text.count('minus 0.001: ') == 2 and 'minus 0.003: ' not in text
   # The section with dropout reports the sweep without dropout, not this table again.
   assert '**Stage lr at 24000 steps**' not in report(runs, dataclasses.replace(p, dropout=0.1))
 
@@ -688,6 +692,30 @@ def test_runs_scored_on_other_rows_or_without_rows_give_no_paired_interval():
   assert conv.text_interval(a, _summary('b', [2.0]), [0]) is None  # collected before rows
   line = conv.difference(a, _summary('b', [2.0]), 'x')
   assert 'no interval claimed' in line and '[' not in line.split('bits/char')[0]
+
+
+def test_a_swept_arm_s_other_rates_get_the_interval_against_its_best_rate_s_rows(tmp_path):
+  """The width arm swept at 24,000 steps, each run with its validation rows: each other rate's
+  line carries the paired interval against the best rate's rows. Rows above the best's by a
+  constant c nats each (128 characters) differ by c / (128 ln 2) bits/char in every resample,
+  so the interval is that difference at both ends; paired with the wrong run, it is not."""
+  p, runs = longer_budget(tmp_path)
+  rows = 4 * BLOCK
+  base = _text(rows, 0)
+  for lr, shift in ((1e-3, 0.0), (3e-3, 0.02), (1e-2, 0.05)):
+    nll = base + shift * 128 * math.log(2)
+    run = fake_run(conv.Point(conv.WIDTH_ARM, lr, 0, 24000), nll.sum() / (128 * rows * math.log(2)))
+    run['result']['final_eval'] = {
+        'seconds': 30.0,
+        'row_nll': nll.tolist(),
+        'row_tokens': [128] * rows,
+        'rows_digest': 'same',
+    }
+    runs.append(run)
+  text = report(runs, p)
+  label = conv.WIDTH_ARM.label
+  assert f'- {label}, lr 0.003 minus 0.001: +0.0200 [+0.0200, +0.0200] bits/char' in text
+  assert f'- {label}, lr 0.01 minus 0.001: +0.0500 [+0.0500, +0.0500] bits/char' in text
 
 
 def test_validation_rows_leave_out_padding_and_pair_runs_by_their_text():
