@@ -735,6 +735,19 @@ def difference(a: Mapping, b: Mapping, what: str) -> str:
   note = f"{len(a['values'])} and {len(b['values'])} seeds"
   if interval is None:
     shown, note = '', f'{note}, no interval claimed'
+    # Runs collected before the validation rows were recorded have none: the seeds whose runs
+    # both have them still give their own difference its interval over the text.
+    scored = [s for s in paired if _has_rows(a, s) and _has_rows(b, s)]
+    if scored:
+      part = text_interval(a, b, scored)
+      which = (
+          f'seed {scored[0]} alone' if len(scored) == 1 else f"seeds {', '.join(map(str, scored))}"
+      )
+      note = (
+          f'{note} over all of them; {which}, where both runs recorded their validation rows: '
+          f'{part.estimate:+.4f} [{part.low:+.4f}, {part.high:+.4f}], the interval resampling '
+          'the validation text, not the seeds'
+      )
   else:
     shown = f' [{interval.low:+.4f}, {interval.high:+.4f}]'
     note = f'{note}; the interval resamples the validation text, not the seeds'
@@ -743,6 +756,11 @@ def difference(a: Mapping, b: Mapping, what: str) -> str:
       f"{a['steps']} steps: {_bits(a)}; {b['arm']} at lr {b['lr']:g}, {b['steps']} steps: "
       f"{_bits(b)}; {'; '.join(per_seed) or 'no common seed'}): {verdict} ({note})."
   )
+
+
+def _has_rows(summary: Mapping, seed: int) -> bool:
+  rows = summary.get('rows') or [None] * len(summary['seeds'])
+  return dict(zip(summary['seeds'], rows))[seed] is not None
 
 
 def text_interval(a: Mapping, b: Mapping, seeds: Sequence[int]) -> stats.Interval | None:

@@ -694,6 +694,29 @@ def test_runs_scored_on_other_rows_or_without_rows_give_no_paired_interval():
   assert 'no interval claimed' in line and '[' not in line.split('bits/char')[0]
 
 
+def test_seeds_whose_runs_both_recorded_rows_get_their_own_interval_where_the_rest_lack_rows():
+  """Seed 0 of each arm trained before runs recorded their validation rows, seed 1 after: no
+  interval for the two-seed mean, but seed 1's difference (b 0.01 nats better on every
+  character, so every resample gives 0.01 / ln 2) gets its own, named as seed 1's alone."""
+  tokens = np.full(160, 128)
+  text = _text(160, 0)
+  a = _with_rows('a', [text, text], tokens)
+  b = _with_rows('b', [text, text - 1.28], tokens)
+  a['rows'][0] = b['rows'][0] = None
+  b['values'][0] = a['values'][0] - 0.05
+  b['bits_per_char'] = sum(b['values']) / 2
+  line = conv.difference(a, b, 'x')
+  gain = 0.01 / np.log(2)
+  assert line.startswith(f'- x: {(0.05 + gain) / 2:+.4f} bits/char (')
+  assert (
+      f'no interval claimed over all of them; seed 1 alone, where both runs recorded their '
+      f'validation rows: {gain:+.4f} [{gain:+.4f}, {gain:+.4f}]'
+  ) in line
+  # Rows on seed 1 of one arm only: nothing to pair, no interval at all.
+  b['rows'][1] = None
+  assert 'alone' not in conv.difference(a, b, 'x')
+
+
 def test_a_swept_arm_s_other_rates_get_the_interval_against_its_best_rate_s_rows(tmp_path):
   """The width arm swept at 24,000 steps, each run with its validation rows: each other rate's
   line carries the paired interval against the best rate's rows. Rows above the best's by a
