@@ -53,7 +53,7 @@ SECTIONS: dict[str, list[str]] = {
     'bottleneck/convergence-12000st': _CONVERGENCE
     + ['--steps=12000', '--rate_steps=3000', '--stage=seeds', '--seeds=0,1'],
     'bottleneck/convergence-24000st': _CONVERGENCE
-    + ['--steps=24000', '--rate_steps=3000', '--stage=seeds', '--seeds=0,1'],
+    + ['--steps=24000', '--rate_steps=3000', '--stage=seeds', '--seeds=0,1,2'],
     'bottleneck/convergence-24000st-drop0.1': _CONVERGENCE
     + ['--steps=24000', '--rate_steps=3000', '--stage=width', '--seeds=0,1', '--dropout=0.1'],
     'collaborative/glue_finetuned': _GLUE_REPARAM,
