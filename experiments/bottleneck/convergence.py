@@ -803,7 +803,8 @@ def block_interval(nll_a, nll_b, tokens, block_rows: int = BLOCK_ROWS) -> stats.
 
 
 def plot_rates(rows: Sequence[dict], arms: Sequence[Arm], out: pathlib.Path, ylabel: str) -> None:
-  """One panel per arm: the periodic validation curve at each rate (seed 0)."""
+  """One panel per arm: the periodic validation curve at each rate (seed 0), each rate in the
+  same colour in every panel, also where an arm has not run them all."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
@@ -815,10 +816,12 @@ def plot_rates(rows: Sequence[dict], arms: Sequence[Arm], out: pathlib.Path, yla
   fig = Figure(figsize=(4.2 * cols, 3.2 * nrows), layout='constrained')
   FigureCanvasAgg(fig)
   axes = fig.subplots(nrows, cols, sharey=True, squeeze=False).ravel()
+  rates = sorted({r['lr'] for r in rows})
   for ax, arm in zip(axes, arms):
     for r in sorted((r for r in rows if r['key'] == arm.key), key=lambda r: r['lr']):
       steps, bits = zip(*r['curve']) if r['curve'] else ((), ())
-      ax.plot(steps, bits, marker='o', markersize=3, label=f"lr {r['lr']:g}")
+      color = f"C{rates.index(r['lr'])}"
+      ax.plot(steps, bits, marker='o', markersize=3, color=color, label=f"lr {r['lr']:g}")
     ax.set_title(arm.label, fontsize='small')
     ax.set_xlabel('step')
     ax.grid(alpha=0.3)

@@ -891,3 +891,26 @@ def test_the_train_column_says_how_many_runs_logged_a_sample_and_its_standard_er
   assert '0 of the 2 runs with that column (1 unknown to git here) trained before' in report(
       runs + trained, p
   )
+
+
+def test_each_rate_has_one_colour_in_every_panel_of_the_rate_plot(tmp_path, monkeypatch):
+  """An arm that has not run every rate yet (a sweep running across sessions) keeps the colours
+  of the others: a lone 0.003 curve is drawn in 0.003's colour, not in the first rate's."""
+  import matplotlib.colors
+  import matplotlib.figure
+
+  drawn = []
+  monkeypatch.setattr(matplotlib.figure.Figure, 'savefig', lambda fig, *a, **k: drawn.append(fig))
+  full, partial = conv.LR_ARMS[0], conv.LR_ARMS[1]
+  curve = [[2000, 2.5], [4000, 2.3]]
+  rows = [{'key': full.key, 'lr': lr, 'curve': curve} for lr in conv.RATES]
+  rows.append({'key': partial.key, 'lr': 3e-3, 'curve': curve})
+  conv.plot_rates(rows, [full, partial], tmp_path / 'rates.png', 'bits/char')
+  (fig,) = drawn
+  colours = {}
+  for ax in fig.axes:
+    for line in ax.get_lines():
+      colours.setdefault(line.get_label(), set()).add(matplotlib.colors.to_hex(line.get_color()))
+  assert set(colours) == {f'lr {lr:g}' for lr in conv.RATES}
+  assert all(len(c) == 1 for c in colours.values()), colours
+  assert len(set().union(*colours.values())) == len(conv.RATES)
