@@ -63,6 +63,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import pathlib
@@ -1109,6 +1110,27 @@ def rate_check(plan: Plan, done: Mapping[str, dict], ylabel: str, rel) -> _Stage
   if behind:
     lines += ['', f'Each swept arm, its other rates minus its best at {plan.steps} steps:', '']
     lines += behind
+  # Where the best rate's run predates the validation rows, the lines above claim no interval;
+  # its other rates against each other still have one where both runs recorded their rows.
+  recorded = lambda s: all(_has_rows(s, seed) for seed in s['seeds'])
+  among = [
+      difference(worse, better, f"{arm.label}, lr {worse['lr']:g} minus {better['lr']:g}")
+      for arm, top in best.items()
+      if (arm.key, top) in by and not recorded(by[arm.key, top])
+      for a, b in itertools.combinations(
+          [by[arm.key, lr] for lr in plan.rates if lr != top and (arm.key, lr) in by], 2
+      )
+      if recorded(a) and recorded(b)
+      for worse, better in [sorted((a, b), key=lambda s: -s['bits_per_char'])]
+  ]
+  if among:
+    lines += [
+        '',
+        'Where the best rate ran before runs recorded their validation rows, the other two '
+        'rates, the worse minus the better:',
+        '',
+        *among,
+    ]
   diffs = [
       difference(by[fixed, lr], by[concat, lr], f'h = {h}, lr {lr:g}')
       for h in sorted({arm.heads for arm in plan.arms})

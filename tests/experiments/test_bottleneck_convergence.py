@@ -739,6 +739,7 @@ def test_a_swept_arm_s_other_rates_get_the_interval_against_its_best_rate_s_rows
   label = conv.WIDTH_ARM.label
   assert f'- {label}, lr 0.003 minus 0.001: +0.0200 [+0.0200, +0.0200] bits/char' in text
   assert f'- {label}, lr 0.01 minus 0.001: +0.0500 [+0.0500, +0.0500] bits/char' in text
+  assert 'the worse minus the better' not in text  # the best's lines have their intervals
 
 
 def test_validation_rows_leave_out_padding_and_pair_runs_by_their_text():
@@ -914,3 +915,35 @@ def test_each_rate_has_one_colour_in_every_panel_of_the_rate_plot(tmp_path, monk
   assert set(colours) == {f'lr {lr:g}' for lr in conv.RATES}
   assert all(len(c) == 1 for c in colours.values()), colours
   assert len(set().union(*colours.values())) == len(conv.RATES)
+
+
+def test_where_the_best_rate_has_no_rows_the_other_two_rates_get_their_interval(tmp_path):
+  """The best rate's run collected before runs recorded their validation rows (its line claims
+  no interval): the other two rates, both with rows, are compared with each other, the worse
+  minus the better, with the interval over the text. Rows above by a constant c nats each (128
+  characters) differ by c / (128 ln 2) bits/char in every resample."""
+  p, runs = longer_budget(tmp_path)
+  rows = 4 * BLOCK
+  base = _text(rows, 0)
+  arm = conv.WIDTH_ARM
+  runs.append(fake_run(conv.Point(arm, 3e-3, 0, 24000), 1.5))  # best, no rows
+  for lr, shift in ((1e-3, 0.0), (1e-2, 0.03)):
+    nll = base + shift * 128 * math.log(2)
+    run = fake_run(conv.Point(arm, lr, 0, 24000), nll.sum() / (128 * rows * math.log(2)))
+    run['result']['final_eval'] = {
+        'seconds': 30.0,
+        'row_nll': nll.tolist(),
+        'row_tokens': [128] * rows,
+        'rows_digest': 'same',
+    }
+    runs.append(run)
+  unrecorded = conv.LR_ARMS[0]  # every rate without rows: nothing to add
+  for lr, bits in ((1e-3, 1.6), (3e-3, 1.5), (1e-2, 1.7)):
+    runs.append(fake_run(conv.Point(unrecorded, lr, 0, 24000), bits))
+  text = report(runs, p)
+  assert f'- {unrecorded.label}, lr 0.01 minus 0.001:' not in text
+  assert f'- {arm.label}, lr 0.01 minus 0.003: ' in text
+  assert 'no interval claimed' in text.split(f'- {arm.label}, lr 0.01 minus 0.003: ')[1].split('\n')[0]
+  assert 'the other two rates, the worse minus the better:' in text
+  assert f'- {arm.label}, lr 0.01 minus 0.001: +0.0300 [+0.0300, +0.0300] bits/char' in text
+  assert text.count(f'- {arm.label}, lr 0.01 minus 0.001:') == 1
