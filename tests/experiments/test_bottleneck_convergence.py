@@ -942,8 +942,10 @@ def test_where_the_best_rate_has_no_rows_the_other_two_rates_get_their_interval(
     runs.append(fake_run(conv.Point(unrecorded, lr, 0, 24000), bits))
   text = report(runs, p)
   assert f'- {unrecorded.label}, lr 0.01 minus 0.001:' not in text
-  assert f'- {arm.label}, lr 0.01 minus 0.003: ' in text
-  assert 'no interval claimed' in text.split(f'- {arm.label}, lr 0.01 minus 0.003: ')[1].split('\n')[0]
+  (against_best,) = [
+      x for x in text.splitlines() if x.startswith(f'- {arm.label}, lr 0.01 minus 0.003:')
+  ]
+  assert 'no interval claimed' in against_best
   assert 'the other two rates, the worse minus the better:' in text
   assert f'- {arm.label}, lr 0.01 minus 0.001: +0.0300 [+0.0300, +0.0300] bits/char' in text
   assert text.count(f'- {arm.label}, lr 0.01 minus 0.001:') == 1
