@@ -221,6 +221,19 @@ def fake_run(point, bits, flat=True, train=None):
   }
 
 
+def run_with_rows(point, nll):
+  """A finished run whose final evaluation recorded per-row nats `nll` over rows of 128
+  characters (the same text for every such run), its bits/char their mean."""
+  run = fake_run(point, nll.sum() / (128 * len(nll) * math.log(2)))
+  run['result']['final_eval'] = {
+      'seconds': 30.0,
+      'row_nll': nll.tolist(),
+      'row_tokens': [128] * len(nll),
+      'rows_digest': 'same',
+  }
+  return run
+
+
 def report(runs, p):
   return conv.report({'runs': runs, 'failed': [], 'unfinished': []}, p)
 
@@ -726,15 +739,9 @@ def test_a_swept_arm_s_other_rates_get_the_interval_against_its_best_rate_s_rows
   rows = 4 * BLOCK
   base = _text(rows, 0)
   for lr, shift in ((1e-3, 0.0), (3e-3, 0.02), (1e-2, 0.05)):
-    nll = base + shift * 128 * math.log(2)
-    run = fake_run(conv.Point(conv.WIDTH_ARM, lr, 0, 24000), nll.sum() / (128 * rows * math.log(2)))
-    run['result']['final_eval'] = {
-        'seconds': 30.0,
-        'row_nll': nll.tolist(),
-        'row_tokens': [128] * rows,
-        'rows_digest': 'same',
-    }
-    runs.append(run)
+    runs.append(
+        run_with_rows(conv.Point(conv.WIDTH_ARM, lr, 0, 24000), base + shift * 128 * math.log(2))
+    )
   text = report(runs, p)
   label = conv.WIDTH_ARM.label
   assert f'- {label}, lr 0.003 minus 0.001: +0.0200 [+0.0200, +0.0200] bits/char' in text
@@ -928,15 +935,7 @@ def test_where_the_best_rate_has_no_rows_the_other_two_rates_get_their_interval(
   arm = conv.WIDTH_ARM
   runs.append(fake_run(conv.Point(arm, 3e-3, 0, 24000), 1.5))  # best, no rows
   for lr, shift in ((1e-3, 0.0), (1e-2, 0.03)):
-    nll = base + shift * 128 * math.log(2)
-    run = fake_run(conv.Point(arm, lr, 0, 24000), nll.sum() / (128 * rows * math.log(2)))
-    run['result']['final_eval'] = {
-        'seconds': 30.0,
-        'row_nll': nll.tolist(),
-        'row_tokens': [128] * rows,
-        'rows_digest': 'same',
-    }
-    runs.append(run)
+    runs.append(run_with_rows(conv.Point(arm, lr, 0, 24000), base + shift * 128 * math.log(2)))
   unrecorded = conv.LR_ARMS[0]  # every rate without rows: nothing to add
   for lr, bits in ((1e-3, 1.6), (3e-3, 1.5), (1e-2, 1.7)):
     runs.append(fake_run(conv.Point(unrecorded, lr, 0, 24000), bits))
