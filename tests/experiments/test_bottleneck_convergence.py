@@ -948,3 +948,49 @@ def test_where_the_best_rate_has_no_rows_the_other_two_rates_get_their_interval(
   assert 'the other two rates, the worse minus the better:' in text
   assert f'- {arm.label}, lr 0.01 minus 0.001: +0.0300 [+0.0300, +0.0300] bits/char' in text
   assert text.count(f'- {arm.label}, lr 0.01 minus 0.001:') == 1
+
+
+def test_a_longer_budget_gives_each_arm_at_its_own_best_rate_with_its_seeds(tmp_path):
+  """Once an arm's sweep at the longer budget is complete, the section gives it at the best
+  rate of that budget with every seed that has run there (the issue's seeds at the best rate),
+  even where that is not the 3,000-step pick; fixed_head minus concat pairs the arms each at
+  its own best rate, on the seeds both have, and the width arm against concat D = 256 too."""
+  p, runs = longer_budget(tmp_path)  # every arm picked 3e-3 at 3,000 steps
+  p = dataclasses.replace(p, seeds=(0, 1, 2))
+  at = lambda arm, lr, seed, bits: fake_run(conv.Point(arm, lr, seed, 24000), bits)
+  fixed32, concat32 = conv.Arm(32, head_dim=conv.LENGTH), conv.Arm(32)
+  # The 24,000-step sweeps: fixed_head h = 32 best at 1e-3 (not its pick), concat h = 32 at
+  # its pick 3e-3; stage seeds' seeds 1 and 2 of concat h = 32 at the pick.
+  runs += [at(fixed32, 1e-3, 0, 1.98), at(fixed32, 3e-3, 0, 2.03), at(fixed32, 1e-2, 0, 2.1)]
+  runs += [at(concat32, 1e-3, 0, 2.04), at(concat32, 3e-3, 0, 2.00), at(concat32, 1e-2, 0, 2.2)]
+  runs += [at(concat32, 3e-3, 1, 2.01), at(concat32, 3e-3, 2, 2.03)]
+  text = report(runs, p)
+  block = text.split('**Each arm at its best rate at 24000 steps**')[1]
+  assert '| fixed_head | 32 | 128 | 256 | 0.001 | 24000 | 1 | 1.9800 |' in block
+  assert '| concat | 32 | 8 | 256 | 0.003 | 24000 | 3 | 2.0133 (seeds: 2.0000' in block
+  assert '- Not finished yet at these rates: fixed128-h32-D256-lr0.001-24000st-s1.' in text
+  assert 'concat, h = 8, d = 32, D = 256: no rate picked, no result yet for' in block
+  # One fixed_head seed: the headline is the common seed 0's difference, 1.98 - 2.00.
+  assert (
+      '- h = 32, fixed_head at lr 0.001 minus concat at lr 0.003: -0.0200 bits/char on the common seed 0 ('
+      in text
+  ), text
+  runs.append(at(fixed32, 1e-3, 1, 2.00))
+  text = report(runs, p)
+  assert '| fixed_head | 32 | 128 | 256 | 0.001 | 24000 | 2 | 1.9900 (seeds: 1.9800, 2.0000' in text
+  assert 'Not finished yet at these rates' not in text  # seed 2 is not awaited
+  # Seeds 0 and 1 in common: (1.98 - 2.00 + 2.00 - 2.01) / 2.
+  assert (
+      '- h = 32, fixed_head at lr 0.001 minus concat at lr 0.003: -0.0150 bits/char on the common seeds 0, 1 ('
+      in text
+  )
+  assert text.startswith('30 runs, ')  # the 21 of the 3,000-step sweep and these 9
+  # The width arm at its own best rate against concat D = 256 at equal steps.
+  width, concat8 = conv.WIDTH_ARM, conv.Arm(8)
+  runs += [at(width, lr, 0, b) for lr, b in zip(conv.RATES, (2.05, 2.06, 2.08))]
+  runs += [at(concat8, lr, 0, b) for lr, b in zip(conv.RATES, (2.01, 1.98, 2.02))]
+  text = report(runs, p)
+  assert (
+      '- equal steps, fixed_head D = 128 at lr 0.001 minus concat D = 256 at lr 0.003: +0.0700'
+      in text
+  ), text
